@@ -1,0 +1,7 @@
+// Umbrella header: the whole public API of fusekit.
+#pragma once
+
+#include "fusekit/error.h"
+#include "fusekit/runtime.h"
+#include "fusekit/tensor.h"
+#include "fusekit/ops/mhc_post.h"

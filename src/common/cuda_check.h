@@ -1,0 +1,47 @@
+// CUDA error checking: every runtime call and every launch goes through these.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fusekit/error.h"
+
+namespace fusekit::detail {
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* call, const char* file,
+                                          int line) {
+  throw Error(concat("CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err),
+                     ") in ", call, " at ", file, ":", line));
+}
+
+/// Makes `device` current for the lifetime of the guard, restoring the previous one after.
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device);
+  ~CudaDeviceGuard();
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+/// Multiprocessor count of `device`, read once per device.
+int multiprocessor_count(int device);
+
+}  // namespace fusekit::detail
+
+#define FUSEKIT_CUDA_CHECK(call)                                                      \
+  do {                                                                                \
+    const cudaError_t fusekit_err_ = (call);                                          \
+    if (fusekit_err_ != cudaSuccess) [[unlikely]]                                     \
+      ::fusekit::detail::throw_cuda_error(fusekit_err_, #call, __FILE__, __LINE__);   \
+  } while (0)
+
+/// Checks the launch just made (configuration errors surface here; no synchronisation).
+#define FUSEKIT_CUDA_CHECK_LAUNCH(kernel_name)                                        \
+  do {                                                                                \
+    const cudaError_t fusekit_err_ = cudaGetLastError();                              \
+    if (fusekit_err_ != cudaSuccess) [[unlikely]]                                     \
+      ::fusekit::detail::throw_cuda_error(fusekit_err_, "launch of " kernel_name,     \
+                                          __FILE__, __LINE__);                        \
+  } while (0)

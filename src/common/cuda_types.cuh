@@ -1,0 +1,89 @@
+// Device element types, conversions and 16-byte vector access for CUDA kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "fusekit/tensor.h"
+
+namespace fusekit::detail {
+
+/// The CUDA element type of a floating dtype (see dispatch_floating).
+template <DType D>
+struct CudaType;
+template <>
+struct CudaType<DType::Float32> {
+  using type = float;
+};
+template <>
+struct CudaType<DType::Float16> {
+  using type = __half;
+};
+template <>
+struct CudaType<DType::BFloat16> {
+  using type = __nv_bfloat16;
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+/// Elements of T in one 16-byte access.
+template <typename T>
+inline constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
+
+/// Loads VEC consecutive elements as floats: one 16-byte streaming load when VEC == kVec16<T>
+/// (the address must be 16-byte aligned), else VEC scalar loads.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(const T* p, float (&v)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    union {
+      uint4 raw;
+      T e[VEC];
+    } u;
+    u.raw = __ldcs(reinterpret_cast<const uint4*>(p));
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = to_float(u.e[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = to_float(p[k]);
+  }
+}
+
+/// Stores VEC floats, rounded to T, the way load_floats reads them.
+template <typename T, int VEC>
+__device__ __forceinline__ void store_floats(T* p, const float (&v)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    union {
+      uint4 raw;
+      T e[VEC];
+    } u;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) u.e[k] = from_float<T>(v[k]);
+    __stcs(reinterpret_cast<uint4*>(p), u.raw);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p[k] = from_float<T>(v[k]);
+  }
+}
+
+inline bool is_aligned(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace fusekit::detail
