@@ -82,14 +82,18 @@ void Buffer::copy_from_host(const void* src, std::size_t bytes, std::size_t offs
 void Buffer::copy_to_host(void* dst, std::size_t bytes, std::size_t offset) const {
   FUSEKIT_CHECK(offset + bytes <= bytes_, "Buffer::copy_to_host: ", bytes, " bytes at offset ",
                 offset, " exceed the buffer's ", bytes_);
+  detail::copy_to_host(dst, static_cast<const char*>(data_) + offset, bytes, device_);
+}
+
+void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device) {
   if (bytes == 0) return;
-  if (device_.kind == DeviceKind::CPU) {
-    std::memcpy(dst, static_cast<const char*>(data_) + offset, bytes);
+  if (device.kind == DeviceKind::CPU) {
+    std::memcpy(dst, src, bytes);
     return;
   }
 #ifdef FUSEKIT_WITH_CUDA
-  CudaDeviceGuard guard(device_.index);
-  FUSEKIT_CUDA_CHECK(cudaMemcpy(dst, static_cast<const char*>(data_) + offset, bytes, cudaMemcpyDeviceToHost));
+  CudaDeviceGuard guard(device.index);
+  FUSEKIT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 #else
   no_cuda();
 #endif

@@ -35,6 +35,9 @@ class Buffer {
   Device device_{};
 };
 
+/// Copies `bytes` from `src` on `device` to host memory `dst` (synchronously).
+void copy_to_host(void* dst, const void* src, std::size_t bytes, Device device);
+
 /// Waits for all work on `device` (a no-op on the CPU).
 void synchronize(Device device);
 
