@@ -25,8 +25,9 @@ class CudaDeviceGuard {
   int previous_ = -1;
 };
 
-/// Multiprocessor count of `device`, read once per device.
+/// Multiprocessor count and compute capability (major) of `device`, read once per device.
 int multiprocessor_count(int device);
+int compute_capability_major(int device);
 
 }  // namespace fusekit::detail
 

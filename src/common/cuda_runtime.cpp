@@ -19,17 +19,35 @@ CudaDeviceGuard::~CudaDeviceGuard() {
   if (previous_ >= 0) cudaSetDevice(previous_);  // a destructor must not throw
 }
 
-int multiprocessor_count(int device) {
-  static std::array<int, 64> cache{};
+namespace {
+
+// One device attribute, read once per device.
+int cached_attribute(cudaDeviceAttr attribute, int device) {
+  constexpr int kMaxDevices = 64;
+  struct Entry {
+    cudaDeviceAttr attribute;
+    std::array<int, kMaxDevices> values{};
+  };
+  static std::array<Entry, 2> cache{{{cudaDevAttrMultiProcessorCount}, {cudaDevAttrComputeCapabilityMajor}}};
   static std::mutex mutex;
-  FUSEKIT_CHECK(device >= 0 && device < static_cast<int>(cache.size()), "CUDA device index ",
-                device, " out of range");
-  std::lock_guard lock(mutex);
-  if (cache[device] == 0) {
-    FUSEKIT_CUDA_CHECK(
-        cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
+  FUSEKIT_CHECK(device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
+  for (Entry& e : cache) {
+    if (e.attribute != attribute) continue;
+    std::lock_guard lock(mutex);
+    if (e.values[device] == 0) FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&e.values[device], attribute, device));
+    return e.values[device];
   }
-  return cache[device];
+  int value = 0;
+  FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
+}  // namespace
+
+int multiprocessor_count(int device) { return cached_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+int compute_capability_major(int device) {
+  return cached_attribute(cudaDevAttrComputeCapabilityMajor, device);
 }
 
 }  // namespace fusekit::detail

@@ -80,6 +80,19 @@ __device__ __forceinline__ void store_floats(T* p, const float (&v)[VEC]) {
   }
 }
 
+/// Reads VEC elements (16 bytes) from shared memory as floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_shared_floats(const void* p, float (&v)[VEC]) {
+  static_assert(VEC * sizeof(T) == 16, "one 16-byte access");
+  union {
+    uint4 raw;
+    T e[VEC];
+  } u;
+  u.raw = *static_cast<const uint4*>(p);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) v[k] = to_float(u.e[k]);
+}
+
 inline bool is_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }

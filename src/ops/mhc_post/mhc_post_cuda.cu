@@ -2,13 +2,16 @@
 //
 // Forward: each thread owns VEC consecutive elements of H (16 bytes when the layout allows) of
 // one row n and produces them for all hc outputs, so x and residual are read exactly once and the
-// hc x hc mix stays in registers. Backward: the same element-wise part for grad_x and
+// hc x hc mix stays in registers. For large problems on sm_90 a persistent grid instead streams
+// tiles of x and residual into shared memory with bulk copies, several tiles in flight per block:
+// that keeps more bytes in flight than registers can hold (bench/NOTES.md has the measurements). Backward: the same element-wise part for grad_x and
 // grad_residual, plus per-row sums over H for grad_post_layer_mix and grad_comb_res_mix, reduced
 // in a fixed order (warp butterfly, then warps in index order, then chunks in index order), so
 // results are bitwise reproducible.
 #include <algorithm>
 #include <type_traits>
 
+#include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
@@ -23,6 +26,10 @@ constexpr int kMaxHc = 8;
 constexpr int kFwdMaxThreads = 256;
 constexpr int kBwdThreads = 128;
 constexpr int kWarpSize = 32;
+constexpr int kBulkTileBytes = 2048;   // per stream and tile: 128 threads x 16 bytes
+[[maybe_unused]] constexpr int kBulkStages = 4;       // tiles in flight per block
+constexpr int kBulkBlocksPerSm = 3;
+constexpr double kBulkMinBytes = 256e6;  // below this the launch-per-tile kernel wins
 
 template <typename F>
 void dispatch_hc(int hc, const char* op, F&& f) {
@@ -82,6 +89,95 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
     }
     store_floats<T, VEC>(out + i * p.out_stride[1], acc);
   }
+}
+
+// grid = persistent blocks; tile t covers row t / tiles_per_row, H elements from
+// (t % tiles_per_row) * kTile. Thread 0 keeps kBulkStages tiles of x and residual in flight; every
+// thread computes the 16 bytes of each output row at its position in the tile.
+template <typename T, int HC>
+__global__ void __launch_bounds__(kBulkTileBytes / 16)
+    mhc_post_fwd_bulk_kernel(const MhcPostParams p, std::int64_t tiles_per_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kVec = kVec16<T>;
+  constexpr int kTile = kBulkTileBytes / static_cast<int>(sizeof(T));  // H elements per tile
+  // [stage][x, residual row 0 .. HC-1][kTile] in shared memory
+  __shared__ alignas(128) unsigned char tiles[kBulkStages][HC + 1][kBulkTileBytes];
+  __shared__ std::uint64_t full[kBulkStages];
+  const std::int64_t n_tiles = p.n * tiles_per_row;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) mbarrier_init(&full[s], 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  auto fetch = [&](std::int64_t t, int stage) {  // thread 0 only
+    const std::int64_t n = t / tiles_per_row;
+    const std::int64_t h0 = (t - n * tiles_per_row) * kTile;
+    const auto bytes = static_cast<std::uint32_t>(min(static_cast<std::int64_t>(kTile), p.h - h0) * sizeof(T));
+    mbarrier_arrive_expect_bytes(&full[stage], bytes * (HC + 1));
+    bulk_copy_to_shared(tiles[stage][0], static_cast<const T*>(p.x) + n * p.x_stride[0] + h0, bytes,
+                        &full[stage]);
+#pragma unroll
+    for (int j = 0; j < HC; ++j) {
+      bulk_copy_to_shared(tiles[stage][1 + j],
+                          static_cast<const T*>(p.residual) + n * p.residual_stride[0] +
+                              j * p.residual_stride[1] + h0,
+                          bytes, &full[stage]);
+    }
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) {
+      const std::int64_t t = blockIdx.x + static_cast<std::int64_t>(s) * gridDim.x;
+      if (t < n_tiles) fetch(t, s);
+    }
+  }
+
+  int k = 0;
+  for (std::int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, ++k) {
+    const int stage = k % kBulkStages;
+    const std::int64_t n = t / tiles_per_row;
+    const std::int64_t h = (t - n * tiles_per_row) * kTile + threadIdx.x * kVec;
+    float post[HC];      // [HC] post[n, i]
+    float comb[HC][HC];  // [HC (j), HC (i)] comb[n, j, i]
+#pragma unroll
+    for (int i = 0; i < HC; ++i) post[i] = __ldg(p.post + n * p.post_stride[0] + i * p.post_stride[1]);
+#pragma unroll
+    for (int j = 0; j < HC; ++j)
+#pragma unroll
+      for (int i = 0; i < HC; ++i)
+        comb[j][i] = __ldg(p.comb + n * p.comb_stride[0] + j * p.comb_stride[1] + i * p.comb_stride[2]);
+
+    mbarrier_wait(&full[stage], (k / kBulkStages) & 1);
+    if (h < p.h) {
+      float xv[kVec];     // [kVec] x[n, h..h+kVec)
+      float r[HC][kVec];  // [HC, kVec] residual[n, :, h..h+kVec)
+      load_shared_floats<T, kVec>(tiles[stage][0] + threadIdx.x * 16, xv);
+#pragma unroll
+      for (int j = 0; j < HC; ++j) load_shared_floats<T, kVec>(tiles[stage][1 + j] + threadIdx.x * 16, r[j]);
+      T* out = static_cast<T*>(p.out) + n * p.out_stride[0] + h;
+#pragma unroll
+      for (int i = 0; i < HC; ++i) {
+        float acc[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] = post[i] * xv[e];
+#pragma unroll
+        for (int j = 0; j < HC; ++j)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] = fmaf(comb[j][i], r[j][e], acc[e]);
+        store_floats<T, kVec>(out + i * p.out_stride[1], acc);
+      }
+    }
+    __syncthreads();  // every thread is done reading this stage
+    if (threadIdx.x == 0) {
+      const std::int64_t next = t + static_cast<std::int64_t>(kBulkStages) * gridDim.x;
+      if (next < n_tiles) {
+        fence_proxy_async_shared();
+        fetch(next, stage);
+      }
+    }
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------- backward
@@ -212,15 +308,25 @@ void check_grid(const char* op, std::int64_t rows, std::int64_t blocks_per_row) 
 
 // ---------------------------------------------------------------------------------- configs
 
-MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors) {
+MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors, int sm_major) {
   MhcPostConfig c;
   const int vec = 16 / static_cast<int>(element_size(p.dtype));
-  c.vectorized = p.h % vec == 0 &&
+  const bool vectorized = p.h % vec == 0 &&
                  rows_vectorizable(p.out, {p.out_stride[0], p.out_stride[1]}, p.out_stride[2], vec) &&
                  rows_vectorizable(p.x, {p.x_stride[0]}, p.x_stride[1], vec) &&
                  rows_vectorizable(p.residual, {p.residual_stride[0], p.residual_stride[1]},
                                    p.residual_stride[2], vec);
-  c.vec = c.vectorized ? vec : 1;
+  c.path = vectorized ? MhcPostConfig::Path::Vector : MhcPostConfig::Path::Scalar;
+  c.vec = vectorized ? vec : 1;
+  const double bytes = static_cast<double>(p.n) * p.h * element_size(p.dtype) * (1 + 2 * p.hc);
+  if (vectorized && sm_major >= 9 && bytes >= kBulkMinBytes) {
+    c.path = MhcPostConfig::Path::Bulk;
+    c.threads = kBulkTileBytes / 16;
+    c.tiles_per_row = ceil_div(p.h * static_cast<std::int64_t>(element_size(p.dtype)), kBulkTileBytes);
+    c.blocks = std::min<std::int64_t>(p.n * c.tiles_per_row,
+                                      static_cast<std::int64_t>(multiprocessors) * kBulkBlocksPerSm);
+    return c;
+  }
   const std::int64_t items = ceil_div(p.h, c.vec);  // threads' worth of work per row
   // Smaller blocks when the problem is small, so that it still spreads over every SM.
   int max_threads = kFwdMaxThreads;
@@ -262,18 +368,27 @@ MhcPostBackwardConfig select_mhc_post_backward_config(const MhcPostBackwardParam
 
 void launch_mhc_post(const MhcPostParams& p, int device, Stream stream) {
   CudaDeviceGuard guard(device);
-  const MhcPostConfig c = select_mhc_post_config(p, multiprocessor_count(device));
-  check_grid("mhc_post", p.n, c.blocks_per_row);
-  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(c.blocks_per_row));
+  const MhcPostConfig c =
+      select_mhc_post_config(p, multiprocessor_count(device), compute_capability_major(device));
   const auto s = static_cast<cudaStream_t>(stream.handle);
+  using Path = MhcPostConfig::Path;
+  if (c.path != Path::Bulk) check_grid("mhc_post", p.n, c.blocks_per_row);
+  const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(c.blocks_per_row));
   dispatch_floating(p.dtype, "mhc_post", [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     dispatch_hc(p.hc, "mhc_post", [&](auto hc) {
-      if (c.vectorized) {
-        mhc_post_fwd_kernel<T, hc, kVec16<T>><<<grid, c.threads, 0, s>>>(p);
-      } else {
-        mhc_post_fwd_kernel<T, hc, 1><<<grid, c.threads, 0, s>>>(p);
+      switch (c.path) {
+        case Path::Bulk:
+          mhc_post_fwd_bulk_kernel<T, hc><<<static_cast<unsigned>(c.blocks), c.threads, 0, s>>>(p, c.tiles_per_row);
+          return;
+        case Path::Vector:
+          mhc_post_fwd_kernel<T, hc, kVec16<T>><<<grid, c.threads, 0, s>>>(p);
+          return;
+        case Path::Scalar:
+          mhc_post_fwd_kernel<T, hc, 1><<<grid, c.threads, 0, s>>>(p);
+          return;
       }
+      throw Error(concat("mhc_post: unknown kernel path ", static_cast<int>(c.path)));
     });
   });
   FUSEKIT_CUDA_CHECK_LAUNCH("mhc_post_fwd_kernel");

@@ -54,10 +54,17 @@ void mhc_post_backward_cpu(const MhcPostBackwardParams& p);
 
 /// How a forward launch is shaped: a pure function of the params and the multiprocessor count.
 struct MhcPostConfig {
-  bool vectorized = false;  // 16-byte loads and stores; else one element per thread, any strides
-  int vec = 1;              // elements along H per thread
-  int threads = 0;          // per block
-  std::int64_t blocks_per_row = 0;  // grid = (N, blocks_per_row)
+  enum class Path {
+    Scalar,  // one element per thread, any strides
+    Vector,  // 16-byte loads and stores; grid = (N, blocks_per_row)
+    Bulk,    // sm_90: a persistent grid streams row tiles into shared memory with bulk copies
+  };
+  Path path = Path::Scalar;
+  int vec = 1;                      // elements along H per thread
+  int threads = 0;                  // per block
+  std::int64_t blocks_per_row = 0;  // Scalar and Vector
+  std::int64_t tiles_per_row = 0;   // Bulk: tiles of kBulkTileBytes per stream
+  std::int64_t blocks = 0;          // Bulk: persistent blocks
 };
 
 struct MhcPostBackwardConfig {
@@ -68,7 +75,7 @@ struct MhcPostBackwardConfig {
   std::int64_t chunk_len = 0;  // elements of H per block, a multiple of vec
 };
 
-MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors);
+MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors, int sm_major);
 MhcPostBackwardConfig select_mhc_post_backward_config(const MhcPostBackwardParams& p,
                                                       int multiprocessors);
 void launch_mhc_post(const MhcPostParams& p, int device, Stream stream);
