@@ -124,12 +124,19 @@ DeviceTensor upload(const HostTensor& t, DType dtype, Device device, const Layou
   const std::size_t esize = element_size(dtype);
   std::vector<unsigned char> host(static_cast<std::size_t>(extent) * esize, 0xff);
   const int ndim = static_cast<int>(t.shape.size());
-  std::vector<std::int64_t> idx(ndim, 0);
-  for (std::int64_t flat = 0; flat < t.numel(); ++flat) {
-    std::int64_t off = layout.offset_elements;
-    for (int d = 0; d < ndim; ++d) off += idx[d] * strides[d];
-    store_value(host.data(), off, dtype, t.values[flat]);
-    for (int d = ndim - 1; d >= 0 && ++idx[d] == t.shape[d]; --d) idx[d] = 0;
+  if (layout.order.empty() && layout.pad_inner == 0) {  // contiguous: the common, large case
+#pragma omp parallel for schedule(static)
+    for (std::int64_t flat = 0; flat < t.numel(); ++flat) {
+      store_value(host.data(), layout.offset_elements + flat, dtype, t.values[flat]);
+    }
+  } else {
+    std::vector<std::int64_t> idx(ndim, 0);
+    for (std::int64_t flat = 0; flat < t.numel(); ++flat) {
+      std::int64_t off = layout.offset_elements;
+      for (int d = 0; d < ndim; ++d) off += idx[d] * strides[d];
+      store_value(host.data(), off, dtype, t.values[flat]);
+      for (int d = ndim - 1; d >= 0 && ++idx[d] == t.shape[d]; --d) idx[d] = 0;
+    }
   }
   DeviceTensor out;
   out.buffer = detail::Buffer(device, host.size());

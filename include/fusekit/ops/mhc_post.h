@@ -2,7 +2,7 @@
 //
 //   out[n, i, h] = post_layer_mix[n, i] * x[n, h] + sum_j comb_res_mix[n, j, i] * residual[n, j, h]
 //
-// Arguments (N rows, hc streams with 1 <= hc <= 8, hidden size H; any N >= 0 and H >= 1):
+// Arguments (N rows, hc streams with 1 <= hc <= 8, hidden size H; any N >= 0 and H >= 0):
 //   out             [N, hc, H]               float32, float16 or bfloat16 (x's dtype)
 //   x               [N, H]                   float32, float16 or bfloat16
 //   residual        [N, hc, H]               x's dtype
@@ -36,7 +36,7 @@ void mhc_post(const TensorView& out, const TensorView& x, const TensorView& resi
 //
 // Arguments: grad_x [N, H] and grad_residual [N, hc, H] in x's dtype; grad_post_layer_mix in
 // post_layer_mix's shape ([N, hc] or [N, hc, 1]) and grad_comb_res_mix [N, hc, hc], both float32;
-// grad_out [N, hc, H] in x's dtype; the inputs as for mhc_post.
+// grad_out [N, hc, H] in x's dtype; the inputs as for mhc_post. With H = 0 the sums are 0.
 //
 // Precision: float32 products and sums. The reductions over H are done in a fixed order, so the
 // result is bitwise deterministic for a given device, shape and stride pattern.
