@@ -1,0 +1,54 @@
+// The registry of `fusekit check` and `fusekit bench`: per operator a name, its correctness cases
+// and its benchmark rows. Each operator's cases live in tools/ops/<op>.cpp (built when the operator
+// is in FUSEKIT_OPS); registering one more is a declaration and a list entry in tools/ops.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "check.h"
+#include "common/timer.h"
+#include "fusekit/tensor.h"
+#include "report.h"
+#include "testing/host_tensor.h"
+
+namespace fusekit::tools {
+
+struct CheckContext {
+  Device device;
+  std::uint64_t seed = 0;
+  CaseRunner* runner = nullptr;  // runs one case and prints its line
+};
+
+struct BenchContext {
+  Device device;
+  bool quick = false;
+  detail::TimerOptions timer;
+  double copy_bytes_per_s = 0;          // the ceiling measured at the start of the run
+  std::function<void(BenchRow)> record;  // prints the row and keeps it for the table and JSON
+};
+
+struct Op {
+  std::string_view name;
+  std::string_view summary;
+  std::string_view bench_shapes;  // the rows `fusekit bench` times, for --help
+  std::function<void(const CheckContext&)> check;
+  std::function<void(const BenchContext&)> bench;
+};
+
+/// Every registered operator, in the order check and bench run them.
+std::span<const Op> all_ops();
+
+/// Inputs for benchmarks: uniform values of unit variance, never all zeros, a pure function of
+/// `seed` and filled in parallel, so that large tensors take little of the run.
+testing::HostTensor bench_input(std::vector<std::int64_t> shape, std::uint64_t seed);
+
+/// The operators named in `names` (all of them when empty); an Error lists the known names
+/// when one is unknown.
+std::vector<const Op*> select_ops(const std::vector<std::string>& names);
+
+}  // namespace fusekit::tools
