@@ -9,7 +9,7 @@ namespace fusekit {
 struct BuildInfo {
   std::string version;              // "0.1.0"
   bool with_cuda = false;           // CUDA kernels compiled in
-  std::string cuda_architectures;   // "80;90a", empty without CUDA
+  std::string cuda_architectures;   // "80 90a", empty without CUDA
   bool with_openmp = false;
 };
 

@@ -13,7 +13,8 @@
 // and an element-wise path otherwise.
 //
 // Precision: products and sums in float32, one rounding to the output dtype at the end.
-// Aliasing: `out` must not overlap any input (checked; an Error says which).
+// Aliasing: the memory span of `out` must not intersect that of any input (checked; an Error
+// says which), so in-place use is not supported.
 // Determinism: bitwise deterministic; no atomics.
 // Temporary memory: none.
 // Stream: the CUDA work is enqueued on `stream`; nothing synchronises, so the call can be

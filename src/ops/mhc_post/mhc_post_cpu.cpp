@@ -11,6 +11,7 @@ namespace fusekit::detail {
 namespace {
 
 constexpr std::int64_t kBlockH = 1024;  // columns per task: rows staged as float, loops vectorise
+constexpr std::int64_t kMinParallelWork = 1 << 16;  // elements; below this threads cost more than they save
 
 // Reads elements [h0, h0 + len) of a strided row as floats.
 template <typename T>
@@ -32,7 +33,7 @@ void forward(const MhcPostParams& p) {
   auto* out = static_cast<T*>(p.out);
   const std::int64_t blocks = (p.h + kBlockH - 1) / kBlockH;
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.n * p.h * p.hc > kMinParallelWork)
   for (std::int64_t task = 0; task < p.n * blocks; ++task) {
     const std::int64_t n = task / blocks;
     const std::int64_t h0 = (task % blocks) * kBlockH;
@@ -64,7 +65,7 @@ void backward(const MhcPostBackwardParams& p) {
   auto* gx = static_cast<T*>(p.grad_x);
   auto* gres = static_cast<T*>(p.grad_residual);
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p.n * p.h * p.hc > kMinParallelWork)
   for (std::int64_t n = 0; n < p.n; ++n) {
     double sum_post[8] = {}, sum_comb[8][8] = {};
     float gs[8][kBlockH], xs[kBlockH], rs[8][kBlockH], acc[kBlockH];

@@ -46,12 +46,16 @@ void dispatch_hc(int hc, const char* op, F&& f) {
   }
 }
 
-// True when `ptr` is 16-byte aligned, H is its unit-stride axis and every row start stays aligned.
-bool rows_vectorizable(const void* ptr, std::initializer_list<std::int64_t> row_strides,
+// True when `ptr` is 16-byte aligned, H is its unit-stride axis and every row start stays aligned
+// (the stride of a dimension of size 1 is never used, so it does not count).
+struct RowDim {
+  std::int64_t size, stride;
+};
+bool rows_vectorizable(const void* ptr, std::initializer_list<RowDim> row_dims,
                        std::int64_t h_stride, int vec) {
   if (h_stride != 1 || !is_aligned(ptr, 16)) return false;
-  return std::all_of(row_strides.begin(), row_strides.end(),
-                     [vec](std::int64_t s) { return s % vec == 0; });
+  return std::all_of(row_dims.begin(), row_dims.end(),
+                     [vec](RowDim d) { return d.size == 1 || d.stride % vec == 0; });
 }
 
 // ---------------------------------------------------------------------------------- forward
@@ -311,11 +315,12 @@ void check_grid(const char* op, std::int64_t rows, std::int64_t blocks_per_row) 
 MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors, int sm_major) {
   MhcPostConfig c;
   const int vec = 16 / static_cast<int>(element_size(p.dtype));
-  const bool vectorized = p.h % vec == 0 &&
-                 rows_vectorizable(p.out, {p.out_stride[0], p.out_stride[1]}, p.out_stride[2], vec) &&
-                 rows_vectorizable(p.x, {p.x_stride[0]}, p.x_stride[1], vec) &&
-                 rows_vectorizable(p.residual, {p.residual_stride[0], p.residual_stride[1]},
-                                   p.residual_stride[2], vec);
+  const bool vectorized =
+      p.h % vec == 0 &&
+      rows_vectorizable(p.out, {{p.n, p.out_stride[0]}, {p.hc, p.out_stride[1]}}, p.out_stride[2], vec) &&
+      rows_vectorizable(p.x, {{p.n, p.x_stride[0]}}, p.x_stride[1], vec) &&
+      rows_vectorizable(p.residual, {{p.n, p.residual_stride[0]}, {p.hc, p.residual_stride[1]}},
+                        p.residual_stride[2], vec);
   c.path = vectorized ? MhcPostConfig::Path::Vector : MhcPostConfig::Path::Scalar;
   c.vec = vectorized ? vec : 1;
   const double bytes = static_cast<double>(p.n) * p.h * element_size(p.dtype) * (1 + 2 * p.hc);
@@ -345,13 +350,13 @@ MhcPostBackwardConfig select_mhc_post_backward_config(const MhcPostBackwardParam
   const int vec = 16 / static_cast<int>(element_size(p.dtype));
   c.vectorized =
       p.h % vec == 0 &&
-      rows_vectorizable(p.grad_x, {p.grad_x_stride[0]}, p.grad_x_stride[1], vec) &&
-      rows_vectorizable(p.grad_residual, {p.grad_residual_stride[0], p.grad_residual_stride[1]},
+      rows_vectorizable(p.grad_x, {{p.n, p.grad_x_stride[0]}}, p.grad_x_stride[1], vec) &&
+      rows_vectorizable(p.grad_residual, {{p.n, p.grad_residual_stride[0]}, {p.hc, p.grad_residual_stride[1]}},
                         p.grad_residual_stride[2], vec) &&
-      rows_vectorizable(p.grad_out, {p.grad_out_stride[0], p.grad_out_stride[1]},
+      rows_vectorizable(p.grad_out, {{p.n, p.grad_out_stride[0]}, {p.hc, p.grad_out_stride[1]}},
                         p.grad_out_stride[2], vec) &&
-      rows_vectorizable(p.x, {p.x_stride[0]}, p.x_stride[1], vec) &&
-      rows_vectorizable(p.residual, {p.residual_stride[0], p.residual_stride[1]},
+      rows_vectorizable(p.x, {{p.n, p.x_stride[0]}}, p.x_stride[1], vec) &&
+      rows_vectorizable(p.residual, {{p.n, p.residual_stride[0]}, {p.hc, p.residual_stride[1]}},
                         p.residual_stride[2], vec);
   c.vec = c.vectorized ? vec : 1;
   c.threads = kBwdThreads;

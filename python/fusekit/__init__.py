@@ -1,0 +1,158 @@
+"""fusekit: fused deep-learning operators for CPU and CUDA.
+
+    import fusekit
+    out = fusekit.mhc_post(x, residual, post_layer_mix, comb_res_mix)
+
+Arrays are torch tensors or numpy arrays, all of one framework. They reach the C++ library as they
+are: any strides, no copy, no dtype cast, no device move. The library validates them and raises
+fusekit.Error (a RuntimeError) saying what it expected and what came. Outputs are allocated,
+contiguous, with the caller's framework on the inputs' device (torch.empty_like, so PyTorch's
+caching allocator serves them; np.empty for numpy) and returned in it. A torch CUDA call is
+enqueued on the current torch stream of the inputs' device and does not synchronise.
+
+With torch installed, every operator is also a torch.library op (torch.ops.fusekit.*, registered
+by fusekit.torch) with autograd and torch.compile support. The functions here take that route
+when autograd or a compiler is involved, and call the C++ library directly otherwise.
+
+Each operator's manual (formula, shapes, dtypes, aliasing, determinism) is its C++ header,
+include/fusekit/ops/<op>.h.
+"""
+
+try:  # torch first: its CUDA runtime library then also serves the extension module
+    import torch as _torch
+except ImportError:
+    _torch = None
+try:
+    import numpy as _np
+except ImportError:
+    _np = None
+
+from . import _C
+from ._C import Error, build_info, cuda_device_count, cuda_device_info
+
+__version__ = build_info()["version"]
+__all__ = [
+    "Error",
+    "build_info",
+    "cuda_device_count",
+    "cuda_device_info",
+    "mhc_post",
+    "mhc_post_backward",
+]
+
+_Tensor = _torch.Tensor if _torch is not None else None
+_ndarray = _np.ndarray if _np is not None else None
+
+if _torch is not None:
+    from . import torch as _ops  # registers torch.ops.fusekit.*
+    from .torch import _dl, _empty, _stream
+
+    _is_compiling = _torch.compiler.is_compiling
+    _grad_enabled = _torch.is_grad_enabled
+    _dispatch_modes = getattr(_torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+# ------------------------------------------------------------------------------ shared helpers
+
+
+def _type_name(obj):
+    t = type(obj)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _framework(op, names, arrays):
+    """The array type shared by all `arrays` (torch.Tensor or numpy.ndarray); raises Error
+    naming the first argument that differs."""
+    first = arrays[0]
+    if _Tensor is not None and isinstance(first, _Tensor):
+        kind = _Tensor
+    elif _ndarray is not None and isinstance(first, _ndarray):
+        kind = _ndarray
+    else:
+        raise Error(f"{op}: {names[0]} is a {_type_name(first)}, expected a torch.Tensor or a "
+                    "numpy.ndarray")
+    for name, a in zip(names, arrays):
+        if not isinstance(a, kind):
+            raise Error(f"{op}: {name} is a {_type_name(a)} but {names[0]} is a "
+                        f"{_type_name(first)}; expected arrays of one framework")
+    return kind
+
+
+def _check_out(op, out, kind, example):
+    if not isinstance(out, kind):
+        raise Error(f"{op}: out is a {_type_name(out)} but the inputs are "
+                    f"{_type_name(example)}s; expected out of the inputs' framework")
+
+
+def _needs_torch_op(tensors):
+    """True when the call must go through the registered torch op: a compiler is tracing, a
+    torch dispatch mode is active, a tensor subclass (fake, functional, ...) is involved, or
+    autograd has to record the call."""
+    if _is_compiling() or _dispatch_modes():
+        return True
+    for t in tensors:
+        if type(t) is not _Tensor:
+            return True
+    if _grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return True
+    return False
+
+
+# ------------------------------------------------------------------------------ mhc_post
+
+_MHC_POST_ARGS = ("x", "residual", "post_layer_mix", "comb_res_mix")
+_MHC_POST_BACKWARD_ARGS = ("grad_out",) + _MHC_POST_ARGS
+
+
+def mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
+    """out[n, i, h] = post_layer_mix[n, i] * x[n, h] + sum_j comb_res_mix[n, j, i] * residual[n, j, h]
+
+    x [N, H] and residual [N, hc, H] in float32, float16 or bfloat16 (one dtype); post_layer_mix
+    [N, hc] or [N, hc, 1] and comb_res_mix [N, hc, hc] in float32; 1 <= hc <= 8. Returns out
+    [N, hc, H] in x's dtype. If `out` is given it is written and returned; it must not overlap an
+    input, and cannot be used when autograd records the call. Differentiable through torch
+    autograd; see include/fusekit/ops/mhc_post.h.
+    """
+    inputs = (x, residual, post_layer_mix, comb_res_mix)
+    kind = _framework("mhc_post", _MHC_POST_ARGS, inputs)
+    if kind is _Tensor:
+        if out is not None:
+            _check_out("mhc_post", out, kind, x)
+        if _needs_torch_op(inputs if out is None else inputs + (out,)):
+            return _ops.call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out)
+        if out is None:
+            out = _empty(residual)
+        _C.mhc_post(_dl(out), _dl(x), _dl(residual), _dl(post_layer_mix), _dl(comb_res_mix),
+                    _stream(x))
+        return out
+    if out is None:
+        out = _np.empty(residual.shape, dtype=residual.dtype)
+    else:
+        _check_out("mhc_post", out, kind, x)
+    _C.mhc_post(out, x, residual, post_layer_mix, comb_res_mix, 0)
+    return out
+
+
+def mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix):
+    """The gradients of mhc_post given grad_out [N, hc, H] (x's dtype).
+
+    Returns (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix), each in the shape
+    of its input (grad_post_layer_mix as post_layer_mix: [N, hc] or [N, hc, 1]); grad_x and
+    grad_residual in x's dtype, the other two in float32. Bitwise deterministic for a given
+    device, shape and stride pattern.
+    """
+    inputs = (grad_out, x, residual, post_layer_mix, comb_res_mix)
+    kind = _framework("mhc_post_backward", _MHC_POST_BACKWARD_ARGS, inputs)
+    if kind is _Tensor:
+        if _needs_torch_op(inputs):
+            return tuple(_torch.ops.fusekit.mhc_post_backward(*inputs))
+        grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
+        _C.mhc_post_backward(_dl(grads[0]), _dl(grads[1]), _dl(grads[2]), _dl(grads[3]),
+                             _dl(grad_out), _dl(x), _dl(residual), _dl(post_layer_mix),
+                             _dl(comb_res_mix), _stream(x))
+        return grads
+    grads = tuple(_np.empty(t.shape, dtype=t.dtype) for t in inputs[1:])
+    _C.mhc_post_backward(*grads, *inputs, 0)
+    return grads

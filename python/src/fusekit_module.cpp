@@ -1,0 +1,211 @@
+// fusekit._C: the nanobind binding of the fusekit C++ API, one function per C++ entry point.
+//
+// Arrays of any framework come in through DLPack (torch tensors, numpy arrays, ...) and reach the
+// library as TensorViews of the very same memory: data pointer, dtype, device, shape and strides
+// in elements. Nothing is converted, copied or made contiguous here; the library validates and
+// rejects what it does not support. Outputs come first, as in C++. The C++ call runs without the
+// GIL, and fusekit::Error surfaces as fusekit.Error (a RuntimeError) with the library's message.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+
+#include "fusekit/fusekit.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using fusekit::detail::concat;
+
+// Inputs only need a read-only export; outputs must be writable.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+
+std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
+  using Code = nb::dlpack::dtype_code;
+  const char* kind = nullptr;
+  switch (static_cast<Code>(dt.code)) {
+    case Code::Int: kind = "int"; break;
+    case Code::UInt: kind = "uint"; break;
+    case Code::Float: kind = "float"; break;
+    case Code::Bfloat: kind = "bfloat"; break;
+    case Code::Complex: kind = "complex"; break;
+    case Code::Bool: kind = "bool"; break;
+    default: return concat("DLPack type code ", int(dt.code), " of ", int(dt.bits), " bits");
+  }
+  std::string name = concat(kind, int(dt.bits));
+  if (dt.lanes != 1) name += concat("x", dt.lanes);
+  return name;
+}
+
+fusekit::DType to_dtype(nb::dlpack::dtype dt, const char* op, const char* arg) {
+  using Code = nb::dlpack::dtype_code;
+  using fusekit::DType;
+  if (dt.lanes == 1) {
+    switch (static_cast<Code>(dt.code)) {
+      case Code::Float:
+        if (dt.bits == 32) return DType::Float32;
+        if (dt.bits == 16) return DType::Float16;
+        if (dt.bits == 64) return DType::Float64;
+        break;
+      case Code::Bfloat:
+        if (dt.bits == 16) return DType::BFloat16;
+        break;
+      case Code::Int:
+        if (dt.bits == 32) return DType::Int32;
+        if (dt.bits == 64) return DType::Int64;
+        break;
+      case Code::UInt:
+        if (dt.bits == 8) return DType::UInt8;
+        break;
+      case Code::Bool:
+        if (dt.bits == 8) return DType::Bool;
+        break;
+      default:
+        break;
+    }
+  }
+  throw fusekit::Error(concat(op, ": ", arg, " has dtype ", dlpack_dtype_name(dt),
+                              ", which fusekit does not handle; expected float32, float16, "
+                              "bfloat16, float64, int32, int64, uint8 or bool"));
+}
+
+const char* dlpack_device_name(int type) {
+  switch (type) {
+    case 1: return "cpu";
+    case 2: return "cuda";
+    case 3: return "cuda_host";
+    case 4: return "opencl";
+    case 7: return "vulkan";
+    case 8: return "metal";
+    case 10: return "rocm";
+    case 11: return "rocm_host";
+    case 13: return "cuda_managed";
+    case 14: return "oneapi";
+    default: return "unknown";
+  }
+}
+
+fusekit::Device to_device(int type, int id, const char* op, const char* arg) {
+  switch (type) {
+    case nb::device::cpu::value: return fusekit::Device::cpu();
+    case nb::device::cuda::value: return fusekit::Device::cuda(id);
+    default:
+      throw fusekit::Error(concat(op, ": ", arg, " lives on DLPack device ", type, " (",
+                                  dlpack_device_name(type), ":", id,
+                                  "), expected a cpu or cuda device"));
+  }
+}
+
+template <typename... Ts>
+fusekit::TensorView to_view(const nb::ndarray<Ts...>& a, const char* op, const char* arg) {
+  const auto ndim = static_cast<int>(a.ndim());
+  if (ndim > fusekit::kMaxDims) {
+    throw fusekit::Error(concat(op, ": ", arg, " has ", ndim, " dims, expected at most ",
+                                fusekit::kMaxDims));
+  }
+  std::int64_t shape[fusekit::kMaxDims];    // [ndim] sizes
+  std::int64_t strides[fusekit::kMaxDims];  // [ndim] strides in elements (DLPack's unit)
+  for (int d = 0; d < ndim; ++d) {
+    shape[d] = static_cast<std::int64_t>(a.shape(d));
+    strides[d] = a.stride(d);
+  }
+  void* data = const_cast<void*>(static_cast<const void*>(a.data()));
+  return fusekit::TensorView::from_arrays(data, to_dtype(a.dtype(), op, arg), ndim, shape, strides,
+                                          to_device(a.device_type(), a.device_id(), op, arg));
+}
+
+fusekit::Stream to_stream(std::uintptr_t handle) {
+  return fusekit::Stream{reinterpret_cast<void*>(handle)};
+}
+
+// ------------------------------------------------------------------------------------ mhc_post
+
+void mhc_post(const OutArray& out, const InArray& x, const InArray& residual,
+              const InArray& post_layer_mix, const InArray& comb_res_mix, std::uintptr_t stream) {
+  constexpr const char* op = "mhc_post";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_residual = to_view(residual, op, "residual");
+  const fusekit::TensorView v_post = to_view(post_layer_mix, op, "post_layer_mix");
+  const fusekit::TensorView v_comb = to_view(comb_res_mix, op, "comb_res_mix");
+  nb::gil_scoped_release release;
+  fusekit::mhc_post(v_out, v_x, v_residual, v_post, v_comb, to_stream(stream));
+}
+
+void mhc_post_backward(const OutArray& grad_x, const OutArray& grad_residual,
+                       const OutArray& grad_post_layer_mix, const OutArray& grad_comb_res_mix,
+                       const InArray& grad_out, const InArray& x, const InArray& residual,
+                       const InArray& post_layer_mix, const InArray& comb_res_mix,
+                       std::uintptr_t stream) {
+  constexpr const char* op = "mhc_post_backward";
+  const fusekit::TensorView v_grad_x = to_view(grad_x, op, "grad_x");
+  const fusekit::TensorView v_grad_residual = to_view(grad_residual, op, "grad_residual");
+  const fusekit::TensorView v_grad_post = to_view(grad_post_layer_mix, op, "grad_post_layer_mix");
+  const fusekit::TensorView v_grad_comb = to_view(grad_comb_res_mix, op, "grad_comb_res_mix");
+  const fusekit::TensorView v_grad_out = to_view(grad_out, op, "grad_out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_residual = to_view(residual, op, "residual");
+  const fusekit::TensorView v_post = to_view(post_layer_mix, op, "post_layer_mix");
+  const fusekit::TensorView v_comb = to_view(comb_res_mix, op, "comb_res_mix");
+  nb::gil_scoped_release release;
+  fusekit::mhc_post_backward(v_grad_x, v_grad_residual, v_grad_post, v_grad_comb, v_grad_out, v_x,
+                             v_residual, v_post, v_comb, to_stream(stream));
+}
+
+// ------------------------------------------------------------------------------------ runtime
+
+nb::dict build_info() {
+  const fusekit::BuildInfo& b = fusekit::build_info();
+  nb::dict d;
+  d["version"] = b.version;
+  d["with_cuda"] = b.with_cuda;
+  d["cuda_architectures"] = b.cuda_architectures;
+  d["with_openmp"] = b.with_openmp;
+  return d;
+}
+
+nb::dict cuda_device_info(int index) {
+  const fusekit::CudaDeviceInfo info = fusekit::cuda_device_info(index);
+  nb::dict d;
+  d["index"] = info.index;
+  d["name"] = info.name;
+  d["sm"] = nb::make_tuple(info.sm_major, info.sm_minor);
+  d["multiprocessors"] = info.multiprocessors;
+  d["global_memory_bytes"] = info.global_memory_bytes;
+  d["l2_cache_bytes"] = info.l2_cache_bytes;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "fusekit's C++ operators on DLPack arrays (low level; use the fusekit package)";
+
+  nb::exception<fusekit::Error>(m, "Error", PyExc_RuntimeError);
+
+  m.def("mhc_post", &mhc_post, "out"_a.noconvert(), "x"_a.noconvert(), "residual"_a.noconvert(),
+        "post_layer_mix"_a.noconvert(), "comb_res_mix"_a.noconvert(), "stream"_a,
+        "out[n, i, h] = post_layer_mix[n, i] * x[n, h] + sum_j comb_res_mix[n, j, i] * "
+        "residual[n, j, h], written into `out` (see include/fusekit/ops/mhc_post.h). `stream` is "
+        "a cudaStream_t as an int (0: the legacy default stream; ignored on the CPU).");
+  m.def("mhc_post_backward", &mhc_post_backward, "grad_x"_a.noconvert(),
+        "grad_residual"_a.noconvert(), "grad_post_layer_mix"_a.noconvert(),
+        "grad_comb_res_mix"_a.noconvert(), "grad_out"_a.noconvert(), "x"_a.noconvert(),
+        "residual"_a.noconvert(), "post_layer_mix"_a.noconvert(), "comb_res_mix"_a.noconvert(),
+        "stream"_a,
+        "The gradients of mhc_post given grad_out, written into the four outputs (see "
+        "include/fusekit/ops/mhc_post.h).");
+
+  m.def("build_info", &build_info,
+        "What this build contains: version, with_cuda, cuda_architectures, with_openmp.");
+  m.def("cuda_device_count", &fusekit::cuda_device_count,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "CUDA devices usable by this build (0 without CUDA support, driver or device).");
+  m.def("cuda_device_info", &cuda_device_info, "index"_a,
+        "Name, compute capability, multiprocessors, memory and L2 size of a CUDA device.");
+}
