@@ -1,6 +1,8 @@
 #include "common/validate.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
 #include <sstream>
 #include <utility>
 
@@ -82,9 +84,29 @@ void check_data(const char* op, const char* arg, const TensorView& t) {
 
 void check_writable(const char* op, const char* arg, const TensorView& t) {
   check_data(op, arg, t);
+  if (t.numel() == 0) return;
+  // Sufficient for distinct addresses: ordered by |stride|, each dimension steps past everything
+  // the smaller ones reach. Dimensions of size 1 never step.
+  std::array<int, kMaxDims> dims{};
+  int count = 0;
   for (int d = 0; d < t.ndim; ++d) {
-    FUSEKIT_CHECK(t.strides[d] != 0 || t.shape[d] <= 1, op, ": output ", arg, " has stride 0 in dim ",
-                  d, " of size ", t.shape[d], "; expected every output element at its own address");
+    if (t.shape[d] == 1) continue;
+    FUSEKIT_CHECK(t.strides[d] != 0, op, ": output ", arg, " has stride 0 in dim ", d, " of size ",
+                  t.shape[d], "; expected every output element at its own address");
+    dims[count++] = d;
+  }
+  for (int k = 1; k < count; ++k) {  // insertion sort by |stride|: at most kMaxDims entries
+    for (int m = k; m > 0 && std::abs(t.strides[dims[m]]) < std::abs(t.strides[dims[m - 1]]); --m) {
+      std::swap(dims[m], dims[m - 1]);
+    }
+  }
+  std::int64_t reach = 0;  // furthest offset the smaller dimensions reach
+  for (int k = 0; k < count; ++k) {
+    const int d = dims[k];
+    FUSEKIT_CHECK(std::abs(t.strides[d]) > reach, op, ": output ", arg, " ", t.shape_string(),
+                  " has strides that make elements share addresses (dim ", d, ", stride ",
+                  t.strides[d], "); expected every output element at its own address");
+    reach += (t.shape[d] - 1) * std::abs(t.strides[d]);
   }
 }
 

@@ -332,7 +332,7 @@ MhcPostConfig select_mhc_post_config(const MhcPostParams& p, int multiprocessors
                                       static_cast<std::int64_t>(multiprocessors) * kBulkBlocksPerSm);
     return c;
   }
-  const std::int64_t items = ceil_div(p.h, c.vec);  // threads' worth of work per row
+  const std::int64_t items = std::max<std::int64_t>(1, ceil_div(p.h, c.vec));  // per row
   // Smaller blocks when the problem is small, so that it still spreads over every SM.
   int max_threads = kFwdMaxThreads;
   while (max_threads > kWarpSize && p.n * ceil_div(items, max_threads) < 2 * multiprocessors) {
@@ -362,7 +362,8 @@ MhcPostBackwardConfig select_mhc_post_backward_config(const MhcPostBackwardParam
   c.threads = kBwdThreads;
   const std::int64_t items = ceil_div(p.h, c.vec);
   const std::int64_t max_chunks = std::max<std::int64_t>(1, ceil_div(items, c.threads));
-  const std::int64_t wanted = ceil_div(4 * static_cast<std::int64_t>(multiprocessors), p.n);
+  const std::int64_t wanted =
+      ceil_div(4 * static_cast<std::int64_t>(multiprocessors), std::max<std::int64_t>(1, p.n));
   const std::int64_t chunks = std::clamp<std::int64_t>(wanted, 1, max_chunks);
   c.chunk_len = std::max<std::int64_t>(1, ceil_div(items, chunks)) * c.vec;
   c.chunks = std::max<std::int64_t>(1, ceil_div(p.h, c.chunk_len));
