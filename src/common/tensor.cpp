@@ -1,7 +1,5 @@
 #include "fusekit/tensor.h"
 
-#include <sstream>
-
 #include "fusekit/error.h"
 
 namespace fusekit {
@@ -104,11 +102,9 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::shape_string() const {
-  std::ostringstream s;
-  s << '[';
-  for (int d = 0; d < ndim; ++d) s << (d ? ", " : "") << shape[d];
-  s << ']';
-  return s.str();
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += detail::concat(d ? ", " : "", shape[d]);
+  return s + "]";
 }
 
 std::string TensorView::describe() const {

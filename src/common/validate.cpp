@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
-#include <sstream>
-#include <utility>
 
 #include "fusekit/error.h"
 
@@ -13,21 +11,15 @@ namespace fusekit::detail {
 namespace {
 
 std::string names_of(std::initializer_list<Dim> dims) {
-  std::ostringstream s;
-  s << '[';
-  bool first = true;
-  for (const Dim& d : dims) s << (std::exchange(first, false) ? "" : ", ") << d.name;
-  s << ']';
-  return s.str();
+  std::string s = "[";
+  for (const Dim& d : dims) s += concat(s.size() > 1 ? ", " : "", d.name);
+  return s + "]";
 }
 
 std::string values_of(std::initializer_list<Dim> dims) {
-  std::ostringstream s;
-  s << '[';
-  bool first = true;
-  for (const Dim& d : dims) s << (std::exchange(first, false) ? "" : ", ") << d.value;
-  s << ']';
-  return s.str();
+  std::string s = "[";
+  for (const Dim& d : dims) s += concat(s.size() > 1 ? ", " : "", d.value);
+  return s + "]";
 }
 
 // [lowest, highest] byte address touched by a non-empty view.
@@ -56,13 +48,13 @@ void check_shape(const char* op, const char* arg, const TensorView& t,
 void check_dtype(const char* op, const char* arg, const TensorView& t,
                  std::initializer_list<DType> allowed) {
   if (std::find(allowed.begin(), allowed.end(), t.dtype) != allowed.end()) return;
-  std::ostringstream s;
+  std::string names;
   std::size_t i = 0;
   for (DType d : allowed) {
-    s << (i == 0 ? "" : (i + 1 == allowed.size() ? " or " : ", ")) << to_string(d);
+    names += concat(i == 0 ? "" : (i + 1 == allowed.size() ? " or " : ", "), to_string(d));
     ++i;
   }
-  throw Error(concat(op, ": ", arg, " has dtype ", to_string(t.dtype), ", expected ", s.str()));
+  throw Error(concat(op, ": ", arg, " has dtype ", to_string(t.dtype), ", expected ", names));
 }
 
 void check_same_dtype(const char* op, const char* arg, const TensorView& t, const char* ref_arg,
