@@ -26,10 +26,16 @@ constexpr int kMaxHc = 8;
 constexpr int kFwdMaxThreads = 256;
 constexpr int kBwdThreads = 128;
 constexpr int kWarpSize = 32;
-constexpr int kBulkTileBytes = 2048;   // per stream and tile: 128 threads x 16 bytes
-[[maybe_unused]] constexpr int kBulkStages = 4;       // tiles in flight per block
-constexpr int kBulkBlocksPerSm = 3;
-constexpr double kBulkMinBytes = 256e6;  // below this the launch-per-tile kernel wins
+constexpr int kBulkTileBytes = 1024;     // per stream and tile: 64 threads x 16 bytes
+[[maybe_unused]] constexpr int kBulkStageBytes = 40960;  // shared memory for tiles in flight, per block
+constexpr int kBulkBlocksPerSm = 4;
+constexpr double kBulkMinBytes = 128e6;  // below this the launch-per-tile kernel wins
+
+/// Tiles in flight per block: as many as kBulkStageBytes holds, at most 8.
+template <int HC>
+constexpr int bulk_stages() {
+  return kBulkStageBytes / ((HC + 1) * kBulkTileBytes) < 8 ? kBulkStageBytes / ((HC + 1) * kBulkTileBytes) : 8;
+}
 
 template <typename F>
 void dispatch_hc(int hc, const char* op, F&& f) {
@@ -104,6 +110,7 @@ __global__ void __launch_bounds__(kBulkTileBytes / 16)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kVec = kVec16<T>;
   constexpr int kTile = kBulkTileBytes / static_cast<int>(sizeof(T));  // H elements per tile
+  constexpr int kBulkStages = bulk_stages<HC>();
   // [stage][x, residual row 0 .. HC-1][kTile] in shared memory
   __shared__ alignas(128) unsigned char tiles[kBulkStages][HC + 1][kBulkTileBytes];
   __shared__ std::uint64_t full[kBulkStages];
