@@ -29,7 +29,7 @@ constexpr int kWarpSize = 32;
 constexpr int kBulkTileBytes = 1024;     // per stream and tile: 64 threads x 16 bytes
 [[maybe_unused]] constexpr int kBulkStageBytes = 40960;  // shared memory for tiles in flight, per block
 constexpr int kBulkBlocksPerSm = 4;
-constexpr double kBulkMinBytes = 128e6;  // below this the launch-per-tile kernel wins
+constexpr double kBulkMinBytes = 256e6;  // below this the launch-per-tile kernel wins (NOTES.md)
 
 /// Tiles in flight per block: as many as kBulkStageBytes holds, at most 8.
 template <int HC>
