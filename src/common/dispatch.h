@@ -25,4 +25,24 @@ decltype(auto) dispatch_floating(DType dtype, const char* op, F&& f) {
   }
 }
 
+/// Runs `cpu()` or `cuda()` for the device kind; the error branch names what is missing. In a
+/// build without CUDA, `cuda` is never called (nor emitted).
+template <typename Cpu, typename Cuda>
+void dispatch_device(const char* op, Device device, Cpu&& cpu, [[maybe_unused]] Cuda&& cuda) {
+  switch (device.kind) {
+    case DeviceKind::CPU:
+      cpu();
+      return;
+    case DeviceKind::CUDA:
+#ifdef FUSEKIT_WITH_CUDA
+      cuda();
+      return;
+#else
+      throw Error(concat(op, ": no backend for device ", to_string(device),
+                         "; this fusekit was built without CUDA"));
+#endif
+  }
+  throw Error(concat(op, ": unknown device kind ", static_cast<int>(device.kind)));
+}
+
 }  // namespace fusekit::detail

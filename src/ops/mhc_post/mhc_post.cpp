@@ -1,6 +1,7 @@
 // mhc_post entry points: validate -> empty input returns -> pick backend -> launch.
 #include "fusekit/ops/mhc_post.h"
 
+#include "common/dispatch.h"
 #include "common/validate.h"
 #include "fusekit/error.h"
 #include "ops/mhc_post/mhc_post_params.h"
@@ -55,9 +56,22 @@ Sizes check_inputs(const char* op, const TensorView& x, const TensorView& residu
   return s;
 }
 
-[[noreturn, maybe_unused]] void no_backend(const char* op, Device device) {
-  throw Error(detail::concat(op, ": no backend for device ", to_string(device),
-                             "; this fusekit was built without CUDA"));
+// The fields the forward and backward params share: sizes and the four inputs.
+template <typename Params>
+void set_inputs(Params& p, const Sizes& s, const TensorView& x, const TensorView& residual,
+                const TensorView& post, const TensorView& comb) {
+  p.n = s.n;
+  p.h = s.h;
+  p.hc = static_cast<int>(s.hc);
+  p.dtype = x.dtype;
+  p.x = x.data;
+  copy_strides(p.x_stride, x, 2);
+  p.residual = residual.data;
+  copy_strides(p.residual_stride, residual, 3);
+  p.post = post.data_as<const float>();
+  copy_strides(p.post_stride, post, 2);
+  p.comb = comb.data_as<const float>();
+  copy_strides(p.comb_stride, comb, 3);
 }
 
 }  // namespace
@@ -77,35 +91,12 @@ void mhc_post(const TensorView& out, const TensorView& x, const TensorView& resi
   if (s.n == 0 || s.h == 0) return;
 
   detail::MhcPostParams p;
-  p.n = s.n;
-  p.h = s.h;
-  p.hc = static_cast<int>(s.hc);
-  p.dtype = x.dtype;
+  set_inputs(p, s, x, residual, post_layer_mix, comb_res_mix);
   p.out = out.data;
   copy_strides(p.out_stride, out, 3);
-  p.x = x.data;
-  copy_strides(p.x_stride, x, 2);
-  p.residual = residual.data;
-  copy_strides(p.residual_stride, residual, 3);
-  p.post = post_layer_mix.data_as<const float>();
-  copy_strides(p.post_stride, post_layer_mix, 2);
-  p.comb = comb_res_mix.data_as<const float>();
-  copy_strides(p.comb_stride, comb_res_mix, 3);
-
-  switch (x.device.kind) {
-    case DeviceKind::CPU:
-      detail::mhc_post_cpu(p);
-      return;
-    case DeviceKind::CUDA:
-#ifdef FUSEKIT_WITH_CUDA
-      detail::launch_mhc_post(p, x.device.index, stream);
-      return;
-#else
-      (void)stream;
-      no_backend(op, x.device);
-#endif
-  }
-  throw Error(detail::concat(op, ": unknown device kind ", static_cast<int>(x.device.kind)));
+  detail::dispatch_device(
+      op, x.device, [&] { detail::mhc_post_cpu(p); },
+      [&] { detail::launch_mhc_post(p, x.device.index, stream); });
 }
 
 void mhc_post_backward(const TensorView& grad_x, const TensorView& grad_residual,
@@ -153,10 +144,7 @@ void mhc_post_backward(const TensorView& grad_x, const TensorView& grad_residual
   if (s.n == 0) return;
 
   detail::MhcPostBackwardParams p;
-  p.n = s.n;
-  p.h = s.h;
-  p.hc = static_cast<int>(s.hc);
-  p.dtype = x.dtype;
+  set_inputs(p, s, x, residual, post_layer_mix, comb_res_mix);
   p.grad_x = grad_x.data;
   copy_strides(p.grad_x_stride, grad_x, 2);
   p.grad_residual = grad_residual.data;
@@ -167,29 +155,9 @@ void mhc_post_backward(const TensorView& grad_x, const TensorView& grad_residual
   copy_strides(p.grad_comb_stride, grad_comb_res_mix, 3);
   p.grad_out = grad_out.data;
   copy_strides(p.grad_out_stride, grad_out, 3);
-  p.x = x.data;
-  copy_strides(p.x_stride, x, 2);
-  p.residual = residual.data;
-  copy_strides(p.residual_stride, residual, 3);
-  p.post = post_layer_mix.data_as<const float>();
-  copy_strides(p.post_stride, post_layer_mix, 2);
-  p.comb = comb_res_mix.data_as<const float>();
-  copy_strides(p.comb_stride, comb_res_mix, 3);
-
-  switch (x.device.kind) {
-    case DeviceKind::CPU:
-      detail::mhc_post_backward_cpu(p);
-      return;
-    case DeviceKind::CUDA:
-#ifdef FUSEKIT_WITH_CUDA
-      detail::launch_mhc_post_backward(p, x.device.index, stream);
-      return;
-#else
-      (void)stream;
-      no_backend(op, x.device);
-#endif
-  }
-  throw Error(detail::concat(op, ": unknown device kind ", static_cast<int>(x.device.kind)));
+  detail::dispatch_device(
+      op, x.device, [&] { detail::mhc_post_backward_cpu(p); },
+      [&] { detail::launch_mhc_post_backward(p, x.device.index, stream); });
 }
 
 }  // namespace fusekit

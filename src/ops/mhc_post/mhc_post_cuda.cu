@@ -64,6 +64,19 @@ bool rows_vectorizable(const void* ptr, std::initializer_list<RowDim> row_dims,
                      [vec](RowDim d) { return d.size == 1 || d.stride % vec == 0; });
 }
 
+// post[i] = post_layer_mix[n, i] and comb[j][i] = comb_res_mix[n, j, i], for either params struct.
+template <int HC, typename Params>
+__device__ __forceinline__ void load_mix(const Params& p, std::int64_t n, float (&post)[HC],
+                                         float (&comb)[HC][HC]) {
+#pragma unroll
+  for (int i = 0; i < HC; ++i) post[i] = __ldg(p.post + n * p.post_stride[0] + i * p.post_stride[1]);
+#pragma unroll
+  for (int j = 0; j < HC; ++j)
+#pragma unroll
+    for (int i = 0; i < HC; ++i)
+      comb[j][i] = __ldg(p.comb + n * p.comb_stride[0] + j * p.comb_stride[1] + i * p.comb_stride[2]);
+}
+
 // ---------------------------------------------------------------------------------- forward
 
 template <typename T, int HC, int VEC>
@@ -151,13 +164,7 @@ __global__ void __launch_bounds__(kBulkTileBytes / 16)
     const std::int64_t h = (t - n * tiles_per_row) * kTile + threadIdx.x * kVec;
     float post[HC];      // [HC] post[n, i]
     float comb[HC][HC];  // [HC (j), HC (i)] comb[n, j, i]
-#pragma unroll
-    for (int i = 0; i < HC; ++i) post[i] = __ldg(p.post + n * p.post_stride[0] + i * p.post_stride[1]);
-#pragma unroll
-    for (int j = 0; j < HC; ++j)
-#pragma unroll
-      for (int i = 0; i < HC; ++i)
-        comb[j][i] = __ldg(p.comb + n * p.comb_stride[0] + j * p.comb_stride[1] + i * p.comb_stride[2]);
+    load_mix(p, n, post, comb);
 
     mbarrier_wait(&full[stage], (k / kBulkStages) & 1);
     if (h < p.h) {
@@ -216,13 +223,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 
   float post[HC];      // [HC] post[n, i]
   float comb[HC][HC];  // [HC (j), HC (i)] comb[n, j, i]
-#pragma unroll
-  for (int i = 0; i < HC; ++i) post[i] = __ldg(p.post + n * p.post_stride[0] + i * p.post_stride[1]);
-#pragma unroll
-  for (int j = 0; j < HC; ++j)
-#pragma unroll
-    for (int i = 0; i < HC; ++i)
-      comb[j][i] = __ldg(p.comb + n * p.comb_stride[0] + j * p.comb_stride[1] + i * p.comb_stride[2]);
+  load_mix(p, n, post, comb);
 
   float acc_post[HC] = {};      // partial sum_h g[i, h] * x[h]
   float acc_comb[HC][HC] = {};  // partial sum_h res[j, h] * g[i, h]
