@@ -271,6 +271,25 @@ inline void expect_grads_close(const fusekit::testing::MhcPostGradients& got,
                what + " grad_comb_res_mix");
 }
 
+// H = 0 is valid (see the header): the forward has nothing to write, the backward's sums over H
+// are 0. The tensors are laid out as TensorView lays out any contiguous tensor, so a row stride
+// is H = 0; an output with no elements has no two elements at one address, and the check of
+// outputs must not reject it.
+inline void expect_zero_hidden_is_valid(Device device, DType dtype, std::mt19937_64& rng) {
+  const std::int64_t n = 3, hc = 4;
+  const MhcInputs in = make_mhc_inputs(n, hc, 0, dtype, rng);
+  const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, device);
+  const DeviceTensor out = empty_poisoned({n, hc, 0}, dtype, device);
+  EXPECT_NO_THROW(run_mhc_post(out, d));
+  const HostTensor grad_out = make_grad_out(n, hc, 0, dtype, rng);
+  const DeviceTensor g = upload(grad_out, dtype, device);
+  const MhcGradTensors grads = empty_mhc_grads(in, dtype, device);
+  ASSERT_NO_THROW(run_mhc_post_backward(grads, g, d));
+  expect_grads_close(download_grads(grads),
+                     mhc_post_backward_reference(grad_out, in.x, in.residual, in.post, in.comb),
+                     {0, 0, 0}, "backward");
+}
+
 inline void expect_grads_only_view_written(const MhcGradTensors& g) {
   expect_only_view_written(g.grad_x, "grad_x");
   expect_only_view_written(g.grad_residual, "grad_residual");
