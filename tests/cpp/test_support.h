@@ -279,10 +279,10 @@ inline void expect_zero_hidden_is_valid(Device device, DType dtype, std::mt19937
   const std::int64_t n = 3, hc = 4;
   const MhcInputs in = make_mhc_inputs(n, hc, 0, dtype, rng);
   const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, device);
-  const DeviceTensor out = empty_poisoned({n, hc, 0}, dtype, device);
+  const DeviceTensor out = fusekit::testing::empty_poisoned({n, hc, 0}, dtype, device);
   EXPECT_NO_THROW(run_mhc_post(out, d));
   const HostTensor grad_out = make_grad_out(n, hc, 0, dtype, rng);
-  const DeviceTensor g = upload(grad_out, dtype, device);
+  const DeviceTensor g = fusekit::testing::upload(grad_out, dtype, device);
   const MhcGradTensors grads = empty_mhc_grads(in, dtype, device);
   ASSERT_NO_THROW(run_mhc_post_backward(grads, g, d));
   expect_grads_close(download_grads(grads),
