@@ -35,8 +35,9 @@ Sizes check_inputs(const char* op, const TensorView& x, const TensorView& residu
   FUSEKIT_CHECK(residual.ndim == 3, op, ": residual has ", residual.ndim, " dims ",
                 residual.shape_string(), ", expected 3 dims [N, hc, H]");
   const Sizes s{residual.shape[0], residual.shape[1], residual.shape[2]};
-  FUSEKIT_CHECK(s.hc >= 1 && s.hc <= 8, op, ": residual ", residual.shape_string(),
-                " has hc = ", s.hc, " streams, expected 1 <= hc <= 8");
+  FUSEKIT_CHECK(s.hc >= 1 && s.hc <= detail::kMhcPostMaxHc, op, ": residual ",
+                residual.shape_string(), " has hc = ", s.hc, " streams, expected 1 <= hc <= ",
+                detail::kMhcPostMaxHc);
   detail::check_shape(op, "x", x, {{"N", s.n}, {"H", s.h}});
   check_mix_shape(op, "post_layer_mix", post, s);
   detail::check_shape(op, "comb_res_mix", comb, {{"N", s.n}, {"hc", s.hc}, {"hc", s.hc}});

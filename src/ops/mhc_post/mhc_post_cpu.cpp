@@ -38,7 +38,7 @@ void forward(const MhcPostParams& p) {
     const std::int64_t n = task / blocks;
     const std::int64_t h0 = (task % blocks) * kBlockH;
     const std::int64_t len = std::min(kBlockH, p.h - h0);
-    float xs[kBlockH], rs[8][kBlockH], acc[kBlockH];  // [len] x, [hc, len] residual, [len] out row
+    float xs[kBlockH], rs[kMhcPostMaxHc][kBlockH], acc[kBlockH];  // [len] x, [hc, len] residual, [len] out row
     gather(x + n * p.x_stride[0], p.x_stride[1], h0, len, xs);
     for (int j = 0; j < p.hc; ++j) {
       gather(res + n * p.residual_stride[0] + j * p.residual_stride[1], p.residual_stride[2], h0, len, rs[j]);
@@ -67,9 +67,9 @@ void backward(const MhcPostBackwardParams& p) {
 
 #pragma omp parallel for schedule(static) if (p.n * p.h * p.hc > kMinParallelWork)
   for (std::int64_t n = 0; n < p.n; ++n) {
-    double sum_post[8] = {}, sum_comb[8][8] = {};
-    float gs[8][kBlockH], xs[kBlockH], rs[8][kBlockH], acc[kBlockH];
-    float post[8], comb[8][8];
+    double sum_post[kMhcPostMaxHc] = {}, sum_comb[kMhcPostMaxHc][kMhcPostMaxHc] = {};
+    float gs[kMhcPostMaxHc][kBlockH], xs[kBlockH], rs[kMhcPostMaxHc][kBlockH], acc[kBlockH];
+    float post[kMhcPostMaxHc], comb[kMhcPostMaxHc][kMhcPostMaxHc];
     for (int i = 0; i < p.hc; ++i) post[i] = p.post[n * p.post_stride[0] + i * p.post_stride[1]];
     for (int j = 0; j < p.hc; ++j)
       for (int i = 0; i < p.hc; ++i)

@@ -22,7 +22,6 @@ namespace fusekit::detail {
 
 namespace {
 
-constexpr int kMaxHc = 8;
 constexpr int kFwdMaxThreads = 256;
 constexpr int kBwdThreads = 128;
 constexpr int kWarpSize = 32;
@@ -37,6 +36,8 @@ constexpr int bulk_stages() {
   return kBulkStageBytes / ((HC + 1) * kBulkTileBytes) < 8 ? kBulkStageBytes / ((HC + 1) * kBulkTileBytes) : 8;
 }
 
+static_assert(kMhcPostMaxHc == 8, "dispatch_hc instantiates hc = 1 .. 8");
+
 template <typename F>
 void dispatch_hc(int hc, const char* op, F&& f) {
   switch (hc) {
@@ -48,7 +49,7 @@ void dispatch_hc(int hc, const char* op, F&& f) {
     case 6: return f(std::integral_constant<int, 6>{});
     case 7: return f(std::integral_constant<int, 7>{});
     case 8: return f(std::integral_constant<int, 8>{});
-    default: throw Error(concat(op, ": no kernel for hc = ", hc, ", expected 1 <= hc <= ", kMaxHc));
+    default: throw Error(concat(op, ": no kernel for hc = ", hc, ", expected 1 <= hc <= ", kMhcPostMaxHc));
   }
 }
 

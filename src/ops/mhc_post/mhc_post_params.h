@@ -7,6 +7,10 @@
 
 namespace fusekit::detail {
 
+/// The most streams (hc) mhc_post supports: the entry point checks it, the backends size their
+/// per-row arrays and instantiate their kernels by it.
+inline constexpr int kMhcPostMaxHc = 8;
+
 struct MhcPostParams {
   std::int64_t n = 0, h = 0;
   int hc = 0;
