@@ -4,4 +4,5 @@
 #include "fusekit/error.h"
 #include "fusekit/runtime.h"
 #include "fusekit/tensor.h"
+#include "fusekit/ops/layernorm_linear_gelu.h"
 #include "fusekit/ops/mhc_post.h"

@@ -74,6 +74,12 @@ void check_data(const char* op, const char* arg, const TensorView& t) {
                 ") has a null data pointer");
 }
 
+std::string strides_string(const TensorView& t) {
+  std::string s = "(";
+  for (int d = 0; d < t.ndim; ++d) s += concat(d ? ", " : "", t.strides[d]);
+  return s + ")";
+}
+
 void check_writable(const char* op, const char* arg, const TensorView& t) {
   check_data(op, arg, t);
   if (t.numel() == 0) return;

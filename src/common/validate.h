@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "fusekit/tensor.h"
 
@@ -15,6 +16,8 @@ struct Dim {
   std::int64_t value;
 };
 
+/// "(8192, 1)": the strides of `t`, for messages.
+std::string strides_string(const TensorView& t);
 /// `t` has exactly `dims.size()` dimensions with the given sizes.
 void check_shape(const char* op, const char* arg, const TensorView& t, std::initializer_list<Dim> dims);
 /// `t` has one of `allowed` dtypes.
