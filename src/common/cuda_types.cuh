@@ -93,7 +93,7 @@ __device__ __forceinline__ void load_shared_floats(const void* p, float (&v)[VEC
   for (int k = 0; k < VEC; ++k) v[k] = to_float(u.e[k]);
 }
 
-inline bool is_aligned(const void* p, std::size_t bytes) {
+__host__ __device__ inline bool is_aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 

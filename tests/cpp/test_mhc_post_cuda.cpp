@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_test_support.h"
 #include "test_support.h"
 
 namespace {
@@ -38,42 +39,6 @@ int sm_major() {
   static const int major = fusekit::cuda_device_info(0).sm_major;
   return major;
 }
-
-// Waits for the device and fails on any error a kernel left behind.
-void expect_device_ok() {
-  const cudaError_t err = cudaDeviceSynchronize();
-  EXPECT_EQ(err, cudaSuccess) << cudaGetErrorName(err) << ": " << cudaGetErrorString(err);
-}
-
-#define ASSERT_CUDA(call)                                                                   \
-  do {                                                                                      \
-    const cudaError_t err_ = (call);                                                        \
-    ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorName(err_) << ", "         \
-                                 << cudaGetErrorString(err_);                               \
-  } while (0)
-
-/// A test that needs a CUDA device and skips, saying so, without one.
-template <typename Base = ::testing::Test>
-class CudaTest : public Seeded<Base> {
- protected:
-  void SetUp() override {
-    if (fusekit::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-/// A stream made for one test.
-class OwnStream {
- public:
-  OwnStream() { EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess); }
-  ~OwnStream() { cudaStreamDestroy(stream_); }
-  OwnStream(const OwnStream&) = delete;
-  OwnStream& operator=(const OwnStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  fusekit::Stream stream() const { return fusekit::Stream{stream_}; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 // ------------------------------------------------------------------------------------ runners
 

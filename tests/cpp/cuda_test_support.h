@@ -1,0 +1,49 @@
+// What the CUDA test suites share: skipping without a device, streams of their own, and checks
+// of the CUDA runtime's state.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "fusekit/fusekit.h"
+#include "test_support.h"
+
+namespace fusekit_test {
+
+// Waits for the device and fails on any error a kernel left behind.
+inline void expect_device_ok() {
+  const cudaError_t err = cudaDeviceSynchronize();
+  EXPECT_EQ(err, cudaSuccess) << cudaGetErrorName(err) << ": " << cudaGetErrorString(err);
+}
+
+#define ASSERT_CUDA(call)                                                                   \
+  do {                                                                                      \
+    const cudaError_t err_ = (call);                                                        \
+    ASSERT_EQ(err_, cudaSuccess) << #call << ": " << cudaGetErrorName(err_) << ", "         \
+                                 << cudaGetErrorString(err_);                               \
+  } while (0)
+
+/// A test that needs a CUDA device and skips, saying so, without one.
+template <typename Base = ::testing::Test>
+class CudaTest : public Seeded<Base> {
+ protected:
+  void SetUp() override {
+    if (fusekit::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+/// A stream made for one test.
+class OwnStream {
+ public:
+  OwnStream() { EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess); }
+  ~OwnStream() { cudaStreamDestroy(stream_); }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+  fusekit::Stream stream() const { return fusekit::Stream{stream_}; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace fusekit_test

@@ -1,0 +1,233 @@
+// layernorm_linear_gelu on the CUDA backend: against float64 and against the CPU backend on the
+// same inputs, in every dtype, TF32 and exact float32, awkward shapes and layouts (misaligned
+// pointers included), large means, the benchmark shapes, determinism, streams and CUDA-graph
+// capture. Every test skips with "no CUDA device" where there is none.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda_test_support.h"
+#include "layernorm_linear_gelu_support.h"
+
+namespace {
+
+using namespace fusekit_test;
+using fusekit::testing::download;
+
+constexpr Device kCpu = Device::cpu();
+constexpr Device kCuda = Device::cuda(0);
+constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
+
+// One CUDA call into a poisoned output, checked against float64, against the CPU backend on the
+// same inputs, and for writes outside the output's view.
+void check_cuda(const LolaCase& c, DType dtype, std::mt19937_64& rng, const LolaLayouts& layouts = {},
+                LayerNormLinearGeluOptions options = {}, DType ln_dtype = DType::Float32) {
+  const LolaInputs in = make_lola_inputs(c, dtype, rng, ln_dtype);
+  const LolaTensors t = upload_lola(in, c, dtype, kCuda, layouts, ln_dtype);
+  run_lola(t, c, options);
+  expect_device_ok();
+  const HostTensor got = download_lola(t, c);
+  const Tolerance tol = lola_cuda_tolerance(dtype, options.allow_tf32);
+  expect_close(got, lola_reference(in, c, options.eps), tol, "out against float64");
+  expect_only_view_written(t.out, "out");
+
+  const LolaTensors cpu = upload_lola(in, c, dtype, kCpu, {}, ln_dtype);
+  run_lola(cpu, c, options);
+  expect_close(got, download_lola(cpu, c), tol, "out against the CPU backend");
+}
+
+// ------------------------------------------------------------------------------------ shapes
+
+const LolaCase kCases[] = {
+    {{1}, 1, 1},
+    {{1}, 3, 1000},
+    {{3}, 1000, 3},
+    {{7}, 33, 17, false},
+    {{5}, 1000, 1, true, true},
+    {{2, 3}, 40, 24, true, true, GeluApproximation::None},
+    {{64}, 128, 96},
+    {{9}, 257, 65, false, true, GeluApproximation::None},
+    {{300}, 64, 40},
+    {{1000}, 1000, 1000},
+    {{4}, 512, 33, true, false, GeluApproximation::Tanh, 100.0, 1.0},
+    {{33}, 1024, 64, true, true, GeluApproximation::Tanh, 100.0, 1.0},
+    {{4}, 511, 20, true, true, GeluApproximation::None, -2.3, 0.5},
+    {{2, 1, 3}, 16, 8},
+    {{16}, 4096, 2048},  // decode-like: few rows, long K
+};
+
+class LolaCuda : public CudaTest<::testing::TestWithParam<std::tuple<DType, LolaCase>>> {};
+
+TEST_P(LolaCuda, MatchesFloat64AndCpu) {
+  const auto [dtype, c] = GetParam();
+  check_cuda(c, dtype, rng_);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LolaCuda,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kCases)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_" +
+                                  lola_case_name(std::get<1>(info.param));
+                         });
+
+class LolaCudaExactFloat32 : public CudaTest<::testing::TestWithParam<LolaCase>> {};
+
+TEST_P(LolaCudaExactFloat32, MatchesFloat64) {
+  LayerNormLinearGeluOptions options;
+  options.allow_tf32 = false;
+  check_cuda(GetParam(), DType::Float32, rng_, {}, options);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LolaCudaExactFloat32, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return lola_case_name(info.param); });
+
+// The benchmark shapes (the first, and the decode shape), in float16.
+class LolaCudaBenchShapes : public CudaTest<::testing::TestWithParam<LolaCase>> {};
+
+TEST_P(LolaCudaBenchShapes, MatchesFloat64AndCpu) { check_cuda(GetParam(), DType::Float16, rng_); }
+
+INSTANTIATE_TEST_SUITE_P(Float16, LolaCudaBenchShapes,
+                         ::testing::Values(LolaCase{{512}, 1024, 4096}, LolaCase{{16}, 4096, 16384}),
+                         [](const auto& info) { return lola_case_name(info.param); });
+
+// ------------------------------------------------------------------------------------ layouts
+
+struct LolaLayoutCase {
+  const char* name;
+  LolaLayouts layouts;
+};
+void PrintTo(const LolaLayoutCase& c, std::ostream* os) { *os << c.name; }
+
+const LolaLayoutCase kLayouts[] = {
+    {"contiguous", {}},
+    {"x_lead_permuted", {.x = {{1, 0, 2}, 0, 0}}},
+    {"x_k_strided", {.x = {{2, 0, 1}, 0, 0}}},
+    {"weight_transposed", {.weight = {{1, 0}, 0, 0}}},
+    {"padded_rows", {.out = {{}, 5, 0}, .x = {{}, 3, 0}, .weight = {{}, 7, 0}}},
+    {"ln_params_strided", {.ln_weight = {{}, 1, 0}, .ln_bias = {{}, 2, 0}}},
+    {"misaligned",
+     {.out = {{}, 0, 1},
+      .x = {{}, 0, 1},
+      .weight = {{}, 0, 1},
+      .bias = {{}, 0, 1},
+      .ln_weight = {{}, 0, 1},
+      .ln_bias = {{}, 0, 1}}},
+    {"misaligned_weight_transposed", {.weight = {{1, 0}, 0, 1}}},
+    {"out_misaligned", {.out = {{}, 0, 3}}},
+};
+
+class LolaCudaLayouts : public CudaTest<::testing::TestWithParam<std::tuple<DType, LolaLayoutCase>>> {};
+
+TEST_P(LolaCudaLayouts, MatchesFloat64AndCpu) {
+  const auto [dtype, l] = GetParam();
+  check_cuda({{2, 3}, 40, 24, true, true}, dtype, rng_, l.layouts);
+  check_cuda({{4, 16}, 256, 128, true, true}, dtype, rng_, l.layouts);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LolaCudaLayouts,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kLayouts)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param).name;
+                         });
+
+// ------------------------------------------------------------------------------------ the rest
+
+class LolaCudaMisc : public CudaTest<> {};
+
+TEST_F(LolaCudaMisc, LnParamsInTheInputDtype) {
+  check_cuda({{6}, 48, 16, true, true}, DType::BFloat16, rng_, {}, {}, DType::BFloat16);
+  check_cuda({{6}, 48, 16, true, true}, DType::Float16, rng_, {}, {}, DType::Float16);
+}
+
+TEST_F(LolaCudaMisc, EmptyRowsAndOutputsWriteNothing) {
+  for (const LolaCase& c : {LolaCase{{0}, 16, 8}, LolaCase{{4}, 16, 0}, LolaCase{{2, 0}, 5, 3}}) {
+    const LolaInputs in = make_lola_inputs(c, DType::Float16, rng_);
+    const LolaTensors t = upload_lola(in, c, DType::Float16, kCuda);
+    run_lola(t, c);
+    expect_device_ok();
+    expect_only_view_written(t.out, "out");
+  }
+}
+
+TEST_F(LolaCudaMisc, BitwiseDeterministic) {
+  for (DType dtype : kDtypes) {
+    const LolaCase c{{257}, 1000, 520, true, true};
+    const LolaInputs in = make_lola_inputs(c, dtype, rng_);
+    const LolaTensors a = upload_lola(in, c, dtype, kCuda);
+    const LolaTensors b = upload_lola(in, c, dtype, kCuda);
+    run_lola(a, c);
+    run_lola(b, c);
+    run_lola(b, c);
+    expect_device_ok();
+    EXPECT_EQ(raw_bytes(a.out), raw_bytes(b.out)) << fusekit::to_string(dtype);
+  }
+}
+
+TEST_F(LolaCudaMisc, RunsOnTheGivenStream) {
+  const LolaCase c{{64}, 512, 256, true, true, GeluApproximation::None};
+  const LolaInputs in = make_lola_inputs(c, DType::BFloat16, rng_);
+  const LolaTensors t = upload_lola(in, c, DType::BFloat16, kCuda);
+  OwnStream s;
+  run_lola(t, c, {}, s.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+  expect_close(download_lola(t, c), lola_reference(in, c), lola_cuda_tolerance(DType::BFloat16),
+               "out");
+}
+
+class LolaCudaGraph : public CudaTest<::testing::TestWithParam<GeluApproximation>> {};
+
+TEST_P(LolaCudaGraph, CapturedCallReplays) {
+  LolaCase c{{3, 40}, 768, 1000, true, true, GetParam()};
+  const LolaInputs in = make_lola_inputs(c, DType::Float16, rng_);
+  LolaTensors t = upload_lola(in, c, DType::Float16, kCuda);
+
+  OwnStream s;
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
+  try {
+    run_lola(t, c, {}, s.stream());
+  } catch (const fusekit::Error& e) {
+    cudaStreamEndCapture(s.get(), &graph);
+    FAIL() << "capture failed: " << e.what();
+  }
+  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  std::size_t count = 0;
+  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
+  EXPECT_GE(count, 3u) << "workspace allocation, LayerNorm, matrix product";
+
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    t.out.buffer.fill_bytes(0xff);
+    expect_device_ok();
+    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
+    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+    expect_close(download_lola(t, c), lola_reference(in, c), lola_cuda_tolerance(DType::Float16),
+                 "out");
+  }
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+}
+
+INSTANTIATE_TEST_SUITE_P(Gelu, LolaCudaGraph,
+                         ::testing::Values(GeluApproximation::Tanh, GeluApproximation::None),
+                         [](const auto& info) {
+                           return info.param == GeluApproximation::Tanh ? "tanh" : "erf";
+                         });
+
+TEST_F(LolaCudaMisc, MixedDevicesAreRejected) {
+  const LolaCase c{{4}, 8, 6};
+  const LolaInputs in = make_lola_inputs(c, DType::Float16, rng_);
+  const LolaTensors gpu = upload_lola(in, c, DType::Float16, kCuda);
+  const LolaTensors cpu = upload_lola(in, c, DType::Float16, kCpu);
+  EXPECT_ERROR_CONTAINS("weight is on cpu but x is on cuda:0; expected one device", [&] {
+    fusekit::layernorm_linear_gelu(gpu.out.view, gpu.x.view, cpu.weight.view, gpu.bias.view);
+  });
+}
+
+}  // namespace
