@@ -12,8 +12,8 @@ calls in a CUDA graph and times its replays; pass several callables over distinc
 (together larger than L2) to keep those calls reading from device memory too.
 
 copy_ceiling() and gemm_ceiling() measure, in the same process and on the same device, the
-bandwidth of a large device-to-device copy and the throughput of a large bf16 GEMM: the ceilings
-each row is compared with.
+bandwidth of a large device-to-device copy and the throughput of a large GEMM (bf16 unless told):
+the ceilings each row is compared with.
 """
 
 import statistics
@@ -141,10 +141,10 @@ def copy_ceiling(nbytes=2**30):
     return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
-def gemm_ceiling(m=8192):
-    """Achieved throughput of an m x m x m bf16 matrix product, in TFLOP/s."""
-    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+def gemm_ceiling(m=8192, dtype=torch.bfloat16):
+    """Achieved throughput of an m x m x m matrix product in `dtype` (torch.matmul), in TFLOP/s."""
+    a = torch.randn(m, m, dtype=dtype, device="cuda")
+    b = torch.randn(m, m, dtype=dtype, device="cuda")
     t = bench(lambda: a @ b, flush=False)
     del a, b
     return 2 * m**3 / (t.median_us * 1e-6) / 1e12

@@ -31,7 +31,7 @@ struct CaseInfo {
   std::string op;      // "mhc_post"
   std::string pass;    // "forward" or "backward"
   std::string shape;   // "N7 H127 hc3"
-  std::string layout;  // "contiguous", "misaligned", ...
+  std::string layout;  // "contiguous", "misaligned", ..., then any options: "weight^T erf"
   DType dtype = DType::Float32;
 };
 

@@ -1,5 +1,6 @@
 // fusekit: what this build contains (info), whether every operator is right on this machine
 // (check), and how fast it is next to the copy bandwidth measured in the same run (bench).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -49,8 +50,10 @@ Device resolve_device(const std::string& text) {
 }
 
 std::string operator_list() {
+  std::size_t width = 0;
+  for (const Op& op : all_ops()) width = std::max(width, op.name.size());
   std::string list;
-  for (const Op& op : all_ops()) list += fmt::format("  {:<10} {}\n", op.name, op.summary);
+  for (const Op& op : all_ops()) list += fmt::format("  {:<{}}  {}\n", op.name, width, op.summary);
   return list;
 }
 
@@ -183,7 +186,8 @@ std::string wrap(const std::string& text, std::size_t width = 96) {
 std::string bench_footer() {
   std::string text =
       "Rows: bytes are each input read once plus each output written once; % copy is against "
-      "the copy bandwidth measured at the start of the same run. Inputs are random, made once "
+      "the copy bandwidth measured at the start of the same run; TFLOP/s (rows of a matrix "
+      "product) counts two per multiply-add. Inputs are random, made once "
       "per row. CUDA: CUDA events, L2 flushed before each run, median of up to 100 runs "
       "(20 with --quick). CPU: the rows marked 'not on the CPU' are skipped, and each row is 1 "
       "warm-up and the median of at most 5 runs (3 with --quick), so that the whole CPU run "

@@ -65,20 +65,24 @@ std::string utc_timestamp() {
 }
 
 void print_bench_row(const BenchRow& row, double copy_bytes_per_s) {
-  fmt::print("{} {} {} {} on {}: median {:.1f} us over {} runs, {:.1f} GB/s, {:.0f}% of copy\n",
+  const std::string flops =
+      row.flops > 0 ? fmt::format(", {:.2f} TFLOP/s", row.flops_per_s() * 1e-12) : "";
+  fmt::print("{} {} {} {} on {}: median {:.1f} us over {} runs, {:.1f} GB/s, {:.0f}% of copy{}\n",
              row.op, row.pass, row.shape, to_string(row.dtype), to_string(row.device),
              row.median_us, row.runs, row.bytes_per_s() * 1e-9,
-             percent_of(row.bytes_per_s(), copy_bytes_per_s));
+             percent_of(row.bytes_per_s(), copy_bytes_per_s), flops);
   std::fflush(stdout);
 }
 
 void print_bench_table(const std::vector<BenchRow>& rows, double copy_bytes_per_s) {
-  fmt::print("\n{:<9} {:<8} {:<16} {:<8} {:<7} {:>11} {:>9} {:>7}\n", "op", "pass", "shape",
-             "dtype", "device", "median us", "GB/s", "% copy");
+  fmt::print("\n{:<21} {:<8} {:<18} {:<8} {:<7} {:>11} {:>9} {:>7} {:>9}\n", "op", "pass",
+             "shape", "dtype", "device", "median us", "GB/s", "% copy", "TFLOP/s");
   for (const BenchRow& row : rows) {
-    fmt::print("{:<9} {:<8} {:<16} {:<8} {:<7} {:>11.1f} {:>9.1f} {:>7.1f}\n", row.op, row.pass,
-               row.shape, to_string(row.dtype), to_string(row.device), row.median_us,
-               row.bytes_per_s() * 1e-9, percent_of(row.bytes_per_s(), copy_bytes_per_s));
+    const std::string flops =
+        row.flops > 0 ? fmt::format("{:.2f}", row.flops_per_s() * 1e-12) : "-";
+    fmt::print("{:<21} {:<8} {:<18} {:<8} {:<7} {:>11.1f} {:>9.1f} {:>7.1f} {:>9}\n", row.op,
+               row.pass, row.shape, to_string(row.dtype), to_string(row.device), row.median_us,
+               row.bytes_per_s() * 1e-9, percent_of(row.bytes_per_s(), copy_bytes_per_s), flops);
   }
   fmt::print("copy bandwidth (read + write): {:.3f} TB/s\n", copy_bytes_per_s * 1e-12);
   std::fflush(stdout);
@@ -97,18 +101,23 @@ void write_bench_json(const std::string& path, Device device, double copy_bytes_
   doc["copy_bandwidth_bytes_per_s"] = copy_bytes_per_s;
   doc["rows"] = nlohmann::ordered_json::array();
   for (const BenchRow& row : rows) {
-    doc["rows"].push_back({{"op", row.op},
-                           {"pass", row.pass},
-                           {"shape", row.shape},
-                           {"dtype", to_string(row.dtype)},
-                           {"device", to_string(row.device)},
-                           {"median_us", row.median_us},
-                           {"min_us", row.min_us},
-                           {"runs", row.runs},
-                           {"bytes", row.bytes},
-                           {"bytes_per_s", row.bytes_per_s()},
-                           {"fraction_of_copy",
-                            copy_bytes_per_s > 0 ? row.bytes_per_s() / copy_bytes_per_s : 0.0}});
+    nlohmann::ordered_json r = {
+        {"op", row.op},
+        {"pass", row.pass},
+        {"shape", row.shape},
+        {"dtype", to_string(row.dtype)},
+        {"device", to_string(row.device)},
+        {"median_us", row.median_us},
+        {"min_us", row.min_us},
+        {"runs", row.runs},
+        {"bytes", row.bytes},
+        {"bytes_per_s", row.bytes_per_s()},
+        {"fraction_of_copy", copy_bytes_per_s > 0 ? row.bytes_per_s() / copy_bytes_per_s : 0.0}};
+    if (row.flops > 0) {  // only rows whose arithmetic counts
+      r["flops"] = row.flops;
+      r["flops_per_s"] = row.flops_per_s();
+    }
+    doc["rows"].push_back(std::move(r));
   }
   std::ofstream out(path);
   FUSEKIT_CHECK(out.good(), "bench: cannot open ", path, " for writing");

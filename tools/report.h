@@ -18,8 +18,10 @@ struct BenchRow {
   double median_us = 0, min_us = 0;
   int runs = 0;
   double bytes = 0;  // each input read once plus each output written once
+  double flops = 0;  // 2 per multiply-add of a matrix product; 0 where arithmetic does not count
 
   double bytes_per_s() const { return median_us > 0 ? bytes / (median_us * 1e-6) : 0; }
+  double flops_per_s() const { return median_us > 0 ? flops / (median_us * 1e-6) : 0; }
 };
 
 /// "NVIDIA H100 80GB HBM3" for a CUDA device; the processor's model and thread count on the CPU.

@@ -1,0 +1,200 @@
+"""Benchmark of layernorm_linear_gelu against PyTorch eager, torch.compile and the seed Triton
+kernel, at the shapes of a transformer MLP's first layer. Needs a CUDA device.
+
+    python bench/layernorm_linear_gelu.py                    # the default shapes, fp16
+    python bench/layernorm_linear_gelu.py --peers DIR        # and the seed, DIR/lola_seed.py
+    python bench/layernorm_linear_gelu.py --shapes 512,1024,4096 --dtype bf16 --json results.json
+
+The operation is the seed's: LayerNorm without parameters, a Linear layer with a bias, GELU with
+the tanh approximation. Every implementation is first checked against a float64 reference; a
+result whose relative error is above the bound is printed as FAIL and not timed. Each row gives
+the median time of one call (timing.bench: CUDA events, L2 flushed before each run), its TFLOP/s
+(2 M K N) and their fraction of an 8192^3 GEMM in the same dtype, and its fraction of the
+weight-read floor: the time to read the weight once at the device-copy bandwidth. Both ceilings
+are measured in the same run.
+"""
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from timing import bench, copy_ceiling, gemm_ceiling
+
+SHAPES = [  # (M rows, K in, N out)
+    (512, 1024, 4096),     # prefill of 512 tokens, hidden 1024
+    (8192, 1024, 4096),    # prefill of 8192 tokens
+    (8192, 4096, 16384),   # prefill of 8192 tokens, hidden 4096
+    (16, 4096, 16384),     # a decode step: the weight read is the whole cost
+]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Catches wrong results; loose enough for the seed, whose float16 accumulation reaches about
+# 1.7e-2. The rel err column shows each result's precision.
+REL_ERR_BOUND = 2e-2
+
+
+def parse_shape(text):
+    m, k, n = (int(v) for v in text.split(","))
+    return m, k, n
+
+
+def die(message):
+    print(f"bench/layernorm_linear_gelu.py: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+# ------------------------------------------------------------------------------ the baselines
+
+
+def torch_forward(x, weight, bias):
+    """The seed's PyTorch formula (torch_lola), with weight in torch Linear layout [N, K]."""
+    x = F.layer_norm(x, (x.shape[-1],))
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+def reference(x, weight, bias):
+    return torch_forward(x.double(), weight.double(), bias.double())
+
+
+def seed_prepare(x, weight, bias):
+    """The seed's arguments: the weight as [K, N] and its column sums."""
+    w_kn = weight.t().contiguous()
+    return x, w_kn, w_kn.float().sum(0).to(x.dtype), bias
+
+
+def rel_err(got, ref):
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+class Table:
+    def __init__(self, copy_gbs, gemm_tflops):
+        self.copy_gbs, self.gemm_tflops, self.rows = copy_gbs, gemm_tflops, []
+        print(f"{'shape':20s} {'impl':14s} {'time us':>9s} {'TFLOP/s':>8s} {'%gemm':>6s} "
+              f"{'%wfloor':>7s} {'rel err':>8s}  method")
+
+    def add(self, shape, impl, sizes, err, timing=None, note=""):
+        m, k, n, esize = sizes
+        flops = 2 * m * k * n
+        weight_bytes = k * n * esize
+        row = dict(op="layernorm_linear_gelu", shape=shape, impl=impl, m=m, k=k, n=n,
+                   bytes=(m * k + k * n + n + m * n) * esize, weight_bytes=weight_bytes,
+                   flops=flops, rel_err=err, ok=timing is not None, note=note)
+        line = f"{shape:20s} {impl:14s} "
+        if timing is not None:
+            sec = timing.median_us * 1e-6
+            floor_us = weight_bytes / (self.copy_gbs * 1e9) * 1e6
+            tflops = flops / sec / 1e12
+            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
+                       method=timing.method, tflops=tflops, gemm_fraction=tflops / self.gemm_tflops,
+                       weight_floor_us=floor_us, weight_floor_fraction=floor_us / timing.median_us)
+            line += (f"{timing.median_us:9.1f} {tflops:8.1f} {100 * row['gemm_fraction']:5.1f}% "
+                     f"{100 * row['weight_floor_fraction']:6.1f}% {err:8.1e}  {timing.method}")
+        else:
+            line += f"{'-':>9s} {'':8s} {'':6s} {'':7s} {err:8.1e}  FAIL {note}"
+        self.rows.append(row)
+        print(line, flush=True)
+
+
+def run(table, impls, shapes, dtype):
+    for m, k, n in shapes:
+        shape = f"M{m} K{k} N{n}"
+        x = torch.randn(m, k, dtype=dtype, device="cuda")
+        weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)  # torch Linear layout
+        bias = torch.randn(n, dtype=dtype, device="cuda")
+        ref = reference(x, weight, bias)
+        sizes = (m, k, n, x.element_size())
+        print(f"# {shape}: {2 * m * k * n / (table.gemm_tflops * 1e12) * 1e6:.1f} us at the GEMM "
+              f"ceiling, {k * n * x.element_size() / (table.copy_gbs * 1e9) * 1e6:.1f} us to read "
+              f"the weight at the copy bandwidth", flush=True)
+        for name, (prepare, fn) in impls.items():
+            args = prepare(x, weight, bias)
+            try:
+                err = rel_err(fn(*args), ref)
+            except Exception as e:  # noqa: BLE001  (a baseline that cannot run this shape)
+                table.add(shape, name, sizes, math.inf, note=f"{type(e).__name__}: {str(e)[:80]}")
+                continue
+            if not err < REL_ERR_BOUND:
+                table.add(shape, name, sizes, err, note=f"error above {REL_ERR_BOUND:g}")
+                continue
+            table.add(shape, name, sizes, err, bench(lambda: fn(*args)))
+        del x, weight, bias, ref
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, metavar="M,K,N",
+                        help="shapes (default: the four MLP shapes)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--peers", metavar="DIR", help="folder holding lola_seed.py (the seed)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
+            "run it on a GPU machine")
+    try:
+        import fusekit
+    except ImportError as e:
+        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
+    if not fusekit.build_info()["with_cuda"]:
+        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
+    if not hasattr(fusekit, "layernorm_linear_gelu"):
+        die("this fusekit has no layernorm_linear_gelu; rebuild it from this checkout")
+
+    dtype = DTYPES[args.dtype]
+
+    def as_is(*inputs):
+        return inputs
+
+    # name: (the arguments made from x, weight [N, K] and bias, the call)
+    impls = {"fusekit": (as_is, fusekit.layernorm_linear_gelu),
+             "torch eager": (as_is, torch_forward)}
+    if not args.no_compile:
+        # static shapes: compiled for each shape, as a model of fixed shapes would be
+        impls["torch.compile"] = (as_is, torch.compile(torch_forward, dynamic=False))
+    if args.peers:
+        sys.path.insert(0, args.peers)
+        try:
+            import lola_seed
+        except ImportError as e:
+            print(f"# seed kernel skipped: cannot import lola_seed from {args.peers} ({e})")
+        else:
+            if dtype == torch.float16:
+                impls["seed triton"] = (seed_prepare, lola_seed.triton_lola_ws)
+            else:
+                print("# seed kernel skipped: it computes in float16 only")
+
+    info = fusekit.build_info()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
+          f"(CUDA architectures {info['cuda_architectures']}), dtype {args.dtype}")
+    copy_gbs, gemm_tflops = copy_ceiling(), gemm_ceiling(dtype=dtype)
+    print(f"# ceilings: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write), "
+          f"{args.dtype} GEMM {gemm_tflops:.0f} TFLOP/s (8192^3, torch.matmul)")
+    table = Table(copy_gbs, gemm_tflops)
+    run(table, impls, args.shapes or SHAPES, dtype)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           fusekit=info, dtype=args.dtype,
+                           ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
+                           rows=table.rows), f, indent=1)
+        print(f"# rows written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
