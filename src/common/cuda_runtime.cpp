@@ -1,8 +1,11 @@
 // Device queries and the device guard (compiled only with CUDA).
 #include <array>
+#include <cstdint>
+#include <map>
 #include <mutex>
 
 #include "common/cuda_check.h"
+#include "common/cuda_workspace.h"
 
 namespace fusekit::detail {
 
@@ -48,6 +51,25 @@ int multiprocessor_count(int device) { return cached_attribute(cudaDevAttrMultiP
 
 int compute_capability_major(int device) {
   return cached_attribute(cudaDevAttrComputeCapabilityMajor, device);
+}
+
+cudaMemPool_t workspace_pool(int device) {
+  static std::mutex mutex;
+  static std::map<int, cudaMemPool_t> pools;
+  const std::lock_guard lock(mutex);
+  auto it = pools.find(device);
+  if (it == pools.end()) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    FUSEKIT_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    std::uint64_t keep = UINT64_MAX;  // keep reserved memory across synchronisations
+    FUSEKIT_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    it = pools.emplace(device, pool).first;
+  }
+  return it->second;
 }
 
 }  // namespace fusekit::detail

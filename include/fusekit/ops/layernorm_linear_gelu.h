@@ -15,18 +15,27 @@
 //   ln_bias    [K] or none   x's dtype or float32; any stride
 // All tensors live on one device.
 //
-// Precision: the statistics are computed in float32 in two passes (mean, then the mean squared
-// deviation), so a large mean does not cancel the variance. The normalised rows are rounded once
-// to x's dtype (as an unfused LayerNorm would), multiplied with float32 accumulation, and the
-// bias and GELU are applied in float32 before the one rounding of the output. float32 inputs use
-// TF32 tensor cores unless `allow_tf32` is false. The CPU backend computes in float32 throughout
-// and keeps the normalised rows in float32.
+// Precision: the statistics are computed in float32 in two passes over x - x[0] (the mean, then
+// the mean squared deviation), so a mean far from 0 does not cancel digits of the variance. The
+// normalised rows are rounded once to x's dtype (as an unfused LayerNorm's output would be),
+// multiplied with float32 accumulation, and the bias and GELU are applied in float32 before the
+// one rounding of the output. float32 inputs use TF32 tensor cores unless `allow_tf32` is false.
+// With half precision and with TF32, the tanh GELU is the matrix product's own epilogue, whose
+// tanh is a fast approximation (relative error near 2^-11); the exact float32 path and the erf
+// GELU apply GELU in a separate pass with full float32 functions (for half precision the erf
+// GELU then reads the pre-activation back rounded to x's dtype). The CPU backend computes in
+// float32 with double statistics and keeps the normalised rows in float32.
 // Aliasing: `out` must not overlap any input (checked).
-// Determinism: bitwise deterministic for a given device, shape, layout and alignment.
+// Determinism: bitwise deterministic within a process for a given device, shape, layout and
+// alignment. On CUDA, the first call for a shape (outside graph capture) times the matrix
+// product's candidate algorithms on the real operands, synchronising the stream once, and keeps
+// the fastest; another process may settle on another algorithm.
 // Temporary memory: on CUDA, the normalised rows (M * K elements of x's dtype, rows padded to 16
-// bytes) and the GEMM workspace, taken with cudaMallocAsync on `stream` and returned on it.
-// Stream: the CUDA work is enqueued on `stream`; nothing synchronises, so the call can be
-// captured in a CUDA graph. On the CPU the call returns when the result is written.
+// bytes) and the matrix product's workspace (at most 32 MiB), stream-ordered on `stream` from
+// fusekit's memory pool (cudaMallocAsync under graph capture).
+// Stream: the CUDA work is enqueued on `stream`; nothing synchronises after the first call for a
+// shape, and the call can be captured in a CUDA graph. On the CPU the call returns when the
+// result is written.
 #pragma once
 
 #include "fusekit/tensor.h"
