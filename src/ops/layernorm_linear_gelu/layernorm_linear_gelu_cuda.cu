@@ -84,7 +84,22 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
   for (int i = 0; i < V; ++i) v[i] = to_float(u.e[i]);
 }
 
-template <typename T>
+// floats as 16 bytes of T, through the cache (the matrix product reads them next).
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
+  union {
+    uint4 raw;
+    T e[V];
+  } u;
+#pragma unroll
+  for (int i = 0; i < V; ++i) u.e[i] = from_float<T>(v[i]);
+  *reinterpret_cast<uint4*>(p) = u.raw;
+}
+
+// One warp per row. With CHUNKS > 0, a contiguous, aligned row of at most CHUNKS * 512 bytes
+// whose length is a multiple of 16 bytes is read once into registers (all loads in flight at
+// once); every other row is read three times (sum, squared deviations, output) from the cache.
+template <typename T, int CHUNKS>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormArgs a) {
   constexpr int V = kVec16<T>;
   const int lane = threadIdx.x & 31;
@@ -105,6 +120,49 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
   // The sums run on x - x[0]: exact for values near x[0] (within a factor 2), and of the size of
   // the deviations, so a mean far from 0 costs no digits of the variance or of x - mean.
   const float shift = to_float(x[0]);
+  auto normalise = [&](float v, std::int64_t q, float mean, float rstd) {
+    v = (v - shift - mean) * rstd;
+    if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
+    if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
+    return v;
+  };
+
+  if constexpr (CHUNKS > 0) {
+    if (vec && a.k % V == 0 && a.k <= CHUNKS * 32 * V) {
+      float v[CHUNKS][V];
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const std::int64_t q = (c * 32 + lane) * V;
+        if (q < a.k) {
+          load_vec<T, V>(x + q, v[c]);
+#pragma unroll
+          for (int i = 0; i < V; ++i) sum += v[c][i] - shift;
+        }
+      }
+      const float mean = warp_sum(sum) / static_cast<float>(a.k);
+      float sq = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        if ((c * 32 + lane) * V < a.k) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) sq += (v[c][i] - shift - mean) * (v[c][i] - shift - mean);
+        }
+      }
+      const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(a.k) + a.eps);
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const std::int64_t q = (c * 32 + lane) * V;
+        if (q < a.k) {
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[c][i] = normalise(v[c][i], q + i, mean, rstd);
+          store_vec<T, V>(dst + q, v[c]);
+        }
+      }
+      return;
+    }
+  }
+
   float sum = 0.0f;
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
@@ -128,21 +186,15 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
   }
   const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(a.k) + a.eps);
 
-  auto normalise = [&](float v, std::int64_t q) {
-    v = (v - shift - mean) * rstd;
-    if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
-    if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
-    return v;
-  };
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
     load_vec<T, V>(x + q, v);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = normalise(v[i], q + i);
-    store_floats<T, V>(dst + q, v);
+    for (int i = 0; i < V; ++i) v[i] = normalise(v[i], q + i, mean, rstd);
+    store_vec<T, V>(dst + q, v);
   }
   for (std::int64_t q = k_vec + lane; q < a.k; q += 32) {
-    dst[q] = from_float<T>(normalise(to_float(x[q * a.k_stride]), q));
+    dst[q] = from_float<T>(normalise(to_float(x[q * a.k_stride]), q, mean, rstd));
   }
 }
 
@@ -389,8 +441,24 @@ void run(const LayerNormLinearGeluParams& p, int device, cudaStream_t stream) {
   a.xn = xn;
   a.ld = ld_xn;
   const auto blocks = static_cast<unsigned>(ceil_div(p.m, kRowsPerBlock));
-  layernorm_rows<T><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
-  FUSEKIT_CUDA_CHECK_LAUNCH("layernorm_rows");
+  const std::int64_t chunks = ceil_div(p.k, 32 * kVec16<T>);  // of 16 bytes per lane
+  const auto launch = [&](auto kernel) {
+    kernel<<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+    FUSEKIT_CUDA_CHECK_LAUNCH("layernorm_rows");
+  };
+  if (chunks <= 1) {
+    launch(layernorm_rows<T, 1>);
+  } else if (chunks <= 2) {
+    launch(layernorm_rows<T, 2>);
+  } else if (chunks <= 4) {
+    launch(layernorm_rows<T, 4>);
+  } else if (chunks <= 8) {
+    launch(layernorm_rows<T, 8>);
+  } else if (chunks <= 16) {
+    launch(layernorm_rows<T, 16>);
+  } else {
+    launch(layernorm_rows<T, 0>);
+  }
 
   matmul(p, xn, ld_xn, device, stream);
 
