@@ -2,6 +2,7 @@
 
     import fusekit
     out = fusekit.mhc_post(x, residual, post_layer_mix, comb_res_mix)
+    y = fusekit.layernorm_linear_gelu(x, weight, bias, ln_weight=gamma, ln_bias=beta)
 
 Arrays are torch tensors or numpy arrays, all of one framework. They reach the C++ library as they
 are: any strides, no copy, no dtype cast, no device move. The library validates them and raises
@@ -11,8 +12,9 @@ caching allocator serves them; np.empty for numpy) and returned in it. A torch C
 enqueued on the current torch stream of the inputs' device and does not synchronise.
 
 With torch installed, every operator is also a torch.library op (torch.ops.fusekit.*, registered
-by fusekit.torch) with autograd and torch.compile support. The functions here take that route
-when autograd or a compiler is involved, and call the C++ library directly otherwise.
+by fusekit.torch) with torch.compile support, and autograd where the operator has a backward. The
+functions here take that route when autograd or a compiler is involved, and call the C++ library
+directly otherwise.
 
 Each operator's manual (formula, shapes, dtypes, aliasing, determinism) is its C++ header,
 include/fusekit/ops/<op>.h.
@@ -36,6 +38,7 @@ __all__ = [
     "build_info",
     "cuda_device_count",
     "cuda_device_info",
+    "layernorm_linear_gelu",
     "mhc_post",
     "mhc_post_backward",
 ]
@@ -47,6 +50,7 @@ if _torch is not None:
     from . import torch as _ops  # registers torch.ops.fusekit.*
     from .torch import _dl, _empty, _stream
 
+    _PLAIN_TENSORS = (_Tensor, _torch.nn.Parameter)  # a Parameter's data is a plain tensor's
     _is_compiling = _torch.compiler.is_compiling
     _grad_enabled = _torch.is_grad_enabled
     _dispatch_modes = getattr(_torch._C, "_len_torch_dispatch_stack", lambda: 0)
@@ -156,3 +160,69 @@ def mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix):
     grads = tuple(_np.empty(t.shape, dtype=t.dtype) for t in inputs[1:])
     _C.mhc_post_backward(*grads, *inputs, 0)
     return grads
+
+
+# -------------------------------------------------------------------------- layernorm_linear_gelu
+
+_LLG_ARGS = ("x", "weight", "bias", "ln_weight", "ln_bias")
+_GELU_TANH = {"tanh": True, "none": False}
+
+
+def _direct_torch_call(tensors):
+    """True when the C++ library can be called directly on `tensors` (None entries skipped): all
+    are plain torch.Tensors or nn.Parameters, no compiler or torch dispatch mode is active, and
+    autograd has nothing to record. The cheap test of the common case; everything else takes the
+    general path."""
+    if _Tensor is None or _is_compiling() or _dispatch_modes():
+        return False
+    grad = _grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def layernorm_linear_gelu(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5,
+                          approximate="tanh", out=None, allow_tf32=True):
+    """out = GELU(LayerNorm(x) @ weight.T + bias)
+
+    LayerNorm over the last axis (biased variance, eps; then * ln_weight + ln_bias when given),
+    a Linear layer, and GELU with approximate "tanh" or "none" (exact, erf), named as in
+    torch.nn.functional.gelu.
+
+    x [..., K] in float32, float16 or bfloat16, any strides; weight [Nout, K] in x's dtype with
+    one axis contiguous (a row-major [Nout, K], or the transpose of a row-major [K, Nout]); bias
+    [Nout] in x's dtype, contiguous; ln_weight and ln_bias [K] in x's dtype or float32. bias,
+    ln_weight and ln_bias may be None. Returns out [..., Nout] in x's dtype. If `out` is given it
+    is written and returned; its last axis must be contiguous and it must not overlap an input.
+    allow_tf32 lets float32 matrix products use TF32 tensor cores on CUDA.
+
+    Forward only: autograd records the call, but backpropagating through it raises
+    fusekit.Error. See include/fusekit/ops/layernorm_linear_gelu.h.
+    """
+    tanh = _GELU_TANH.get(approximate) if type(approximate) is str else None
+    if tanh is None:
+        raise ValueError(f"layernorm_linear_gelu: approximate is {approximate!r}, expected "
+                         "'tanh' or 'none'")
+    if _direct_torch_call((x, weight, bias, ln_weight, ln_bias, out)):
+        if out is None:
+            out = x.new_empty((*x.shape[:-1], *weight.shape[:1]))
+        _C.layernorm_linear_gelu(_dl(out), _dl(x), _dl(weight),
+                                 None if bias is None else _dl(bias),
+                                 None if ln_weight is None else _dl(ln_weight),
+                                 None if ln_bias is None else _dl(ln_bias),
+                                 eps, tanh, allow_tf32, _stream(x))
+        return out
+
+    given = [(name, t) for name, t in zip(_LLG_ARGS, (x, weight, bias, ln_weight, ln_bias))
+             if t is not None]
+    kind = _framework("layernorm_linear_gelu", *zip(*given))
+    if out is not None:
+        _check_out("layernorm_linear_gelu", out, kind, x)
+    if kind is _Tensor:
+        return _ops.call_layernorm_linear_gelu(x, weight, bias, ln_weight, ln_bias, eps,
+                                               approximate, allow_tf32, out)
+    if out is None:
+        out = _np.empty((*x.shape[:-1], *weight.shape[:1]), dtype=x.dtype)
+    _C.layernorm_linear_gelu(out, x, weight, bias, ln_weight, ln_bias, eps, tanh, allow_tf32, 0)
+    return out

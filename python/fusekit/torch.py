@@ -3,21 +3,31 @@
     torch.ops.fusekit.mhc_post(x, residual, post_layer_mix, comb_res_mix) -> out
     torch.ops.fusekit.mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix)
         -> (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix)
+    torch.ops.fusekit.layernorm_linear_gelu(x, weight, bias=None, ln_weight=None, ln_bias=None,
+                                            eps=1e-5, approximate="tanh", allow_tf32=True) -> out
 
-`import fusekit` registers them when torch is installed. Each op allocates its outputs with
-torch.empty_like (contiguous) on the inputs' device and runs the C++ library on the current stream
-of that device. The fake implementations give the same shapes, dtypes and strides without running
-anything, so torch.compile and torch.export trace through them; the autograd formula of each
-forward op is its backward op.
+and the module LayerNormLinearGELU, which calls fusekit.layernorm_linear_gelu.
+
+`import fusekit` registers them when torch is installed. Each op allocates its outputs
+(contiguous) on the inputs' device and runs the C++ library on the current stream of that device.
+The fake implementations give the same shapes, dtypes and strides without running anything, so
+torch.compile and torch.export trace through them. The autograd formula of mhc_post is its
+backward op; layernorm_linear_gelu is forward only, and backpropagating through it raises
+fusekit.Error.
 """
+
+import math
+from typing import Optional
 
 import torch
 import torch.utils.dlpack
 from torch import Tensor
 
+import fusekit
+
 from . import _C
 
-__all__ = ["mhc_post", "mhc_post_backward"]
+__all__ = ["LayerNormLinearGELU", "layernorm_linear_gelu", "mhc_post", "mhc_post_backward"]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 if _raw_stream is None:
@@ -106,3 +116,142 @@ def call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
 def _describe(t):
     """"bfloat16 [4096, 4, 7168] on cuda:0", as the library describes tensors."""
     return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}"
+
+
+# -------------------------------------------------------------------------- layernorm_linear_gelu
+
+
+def _llg_empty(x, weight):
+    """The contiguous output [..., Nout] in x's dtype on x's device (also under fake modes)."""
+    return x.new_empty((*x.shape[:-1], *weight.shape[:1]))
+
+
+def _gelu_tanh(approximate):
+    if approximate == "tanh":
+        return True
+    if approximate == "none":
+        return False
+    raise ValueError(f"layernorm_linear_gelu: approximate is {approximate!r}, expected 'tanh' or "
+                     "'none'")
+
+
+def _dl_optional(t):
+    return None if t is None else _dl(t)
+
+
+@torch.library.custom_op("fusekit::layernorm_linear_gelu", mutates_args=())
+def layernorm_linear_gelu(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                          ln_weight: Optional[Tensor] = None, ln_bias: Optional[Tensor] = None,
+                          eps: float = 1e-5, approximate: str = "tanh",
+                          allow_tf32: bool = True) -> Tensor:
+    """out = GELU(LayerNorm(x) @ weight.T + bias), forward only."""
+    out = _llg_empty(x, weight)
+    _C.layernorm_linear_gelu(_dl(out), _dl(x), _dl(weight), _dl_optional(bias),
+                             _dl_optional(ln_weight), _dl_optional(ln_bias), eps,
+                             _gelu_tanh(approximate), allow_tf32, _stream(x))
+    return out
+
+
+@layernorm_linear_gelu.register_fake
+def _layernorm_linear_gelu_fake(x, weight, bias=None, ln_weight=None, ln_bias=None, eps=1e-5,
+                                approximate="tanh", allow_tf32=True):
+    _gelu_tanh(approximate)
+    return _llg_empty(x, weight)
+
+
+def _layernorm_linear_gelu_setup_context(ctx, inputs, output):
+    pass  # nothing to save: the backward only reports that there is none
+
+
+def _layernorm_linear_gelu_autograd(ctx, grad_out):
+    raise _C.Error("layernorm_linear_gelu: backward was called, but the operator is forward only; "
+                   "expected it under torch.no_grad() or torch.inference_mode(), or on tensors "
+                   "that do not require grad")
+
+
+# Registered so that autograd records the call and fails with that message on backward (rather
+# than torch's generic one), while forward passes with parameters that require grad still run.
+layernorm_linear_gelu.register_autograd(_layernorm_linear_gelu_autograd,
+                                        setup_context=_layernorm_linear_gelu_setup_context)
+
+
+def call_layernorm_linear_gelu(x, weight, bias, ln_weight, ln_bias, eps, approximate, allow_tf32,
+                               out=None):
+    """fusekit.layernorm_linear_gelu through the op, for autograd, compilers and tensor
+    subclasses. `out` is filled by a copy, which a compiler can fuse; it is refused when autograd
+    records the call."""
+    result = layernorm_linear_gelu(x, weight, bias, ln_weight, ln_bias, eps, approximate,
+                                   allow_tf32)
+    if out is None:
+        return result
+    if torch.is_grad_enabled():
+        for t in (x, weight, bias, ln_weight, ln_bias, out):
+            if t is not None and t.requires_grad:
+                raise _C.Error("layernorm_linear_gelu: out= was given while autograd records the "
+                               "call (a tensor requires grad); expected out=None under autograd")
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise _C.Error(f"layernorm_linear_gelu: out is {_describe(out)}, expected "
+                       f"{_describe(result)}")
+    return out.copy_(result)
+
+
+class LayerNormLinearGELU(torch.nn.Module):
+    """GELU(Linear(LayerNorm(x))) in one fusekit call: torch.nn.LayerNorm(in_features, eps,
+    elementwise_affine), then torch.nn.Linear(in_features, out_features, bias), then
+    torch.nn.GELU(approximate).
+
+    Parameters: weight [out_features, in_features] and bias [out_features] (when bias=True),
+    initialised as torch.nn.Linear does; with elementwise_affine, ln_weight and ln_bias
+    [in_features], initialised to ones and zeros as torch.nn.LayerNorm does. Set `allow_tf32` to
+    False for full float32 matrix products on CUDA.
+
+    Forward only: training through it raises fusekit.Error on backward. Under torch.compile, run
+    it where autograd does not record (torch.no_grad(), torch.inference_mode(), or parameters
+    that do not require grad): otherwise the compiler traces the backward ahead of time and
+    fails with that error.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, elementwise_affine=False, eps=1e-5,
+                 approximate="tanh", device=None, dtype=None):
+        super().__init__()
+        _gelu_tanh(approximate)
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.elementwise_affine = elementwise_affine
+        self.eps = eps
+        self.approximate = approximate
+        self.allow_tf32 = True
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        if elementwise_affine:
+            self.ln_weight = torch.nn.Parameter(torch.empty(in_features, **factory))
+            self.ln_bias = torch.nn.Parameter(torch.empty(in_features, **factory))
+        else:
+            self.register_parameter("ln_weight", None)
+            self.register_parameter("ln_bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # torch.nn.Linear's initialisation, then torch.nn.LayerNorm's.
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+        if self.ln_weight is not None:
+            torch.nn.init.ones_(self.ln_weight)
+            torch.nn.init.zeros_(self.ln_bias)
+
+    def forward(self, x):
+        return fusekit.layernorm_linear_gelu(x, self.weight, self.bias, ln_weight=self.ln_weight,
+                                             ln_bias=self.ln_bias, eps=self.eps,
+                                             approximate=self.approximate,
+                                             allow_tf32=self.allow_tf32)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, elementwise_affine={self.elementwise_affine}, "
+                f"eps={self.eps}, approximate={self.approximate!r}")

@@ -157,6 +157,35 @@ void mhc_post_backward(const OutArray& grad_x, const OutArray& grad_residual,
                              v_residual, v_post, v_comb, to_stream(stream));
 }
 
+// ------------------------------------------------------------------------- layernorm_linear_gelu
+
+// An optional input: None arrives as an invalid ndarray and becomes the empty TensorView that
+// the C++ API reads as "not given".
+fusekit::TensorView to_optional_view(const InArray& a, const char* op, const char* arg) {
+  return a.is_valid() ? to_view(a, op, arg) : fusekit::TensorView{};
+}
+
+void layernorm_linear_gelu(const OutArray& out, const InArray& x, const InArray& weight,
+                           const InArray& bias, const InArray& ln_weight, const InArray& ln_bias,
+                           double eps, bool approximate_tanh, bool allow_tf32,
+                           std::uintptr_t stream) {
+  constexpr const char* op = "layernorm_linear_gelu";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_weight = to_view(weight, op, "weight");
+  const fusekit::TensorView v_bias = to_optional_view(bias, op, "bias");
+  const fusekit::TensorView v_ln_weight = to_optional_view(ln_weight, op, "ln_weight");
+  const fusekit::TensorView v_ln_bias = to_optional_view(ln_bias, op, "ln_bias");
+  fusekit::LayerNormLinearGeluOptions options;
+  options.eps = eps;
+  options.approximate = approximate_tanh ? fusekit::GeluApproximation::Tanh
+                                         : fusekit::GeluApproximation::None;
+  options.allow_tf32 = allow_tf32;
+  nb::gil_scoped_release release;
+  fusekit::layernorm_linear_gelu(v_out, v_x, v_weight, v_bias, v_ln_weight, v_ln_bias, options,
+                                 to_stream(stream));
+}
+
 // ------------------------------------------------------------------------------------ runtime
 
 nb::dict build_info() {
@@ -200,6 +229,15 @@ NB_MODULE(_C, m) {
         "stream"_a,
         "The gradients of mhc_post given grad_out, written into the four outputs (see "
         "include/fusekit/ops/mhc_post.h).");
+
+  m.def("layernorm_linear_gelu", &layernorm_linear_gelu, "out"_a.noconvert(), "x"_a.noconvert(),
+        "weight"_a.noconvert(), "bias"_a.noconvert().none(), "ln_weight"_a.noconvert().none(),
+        "ln_bias"_a.noconvert().none(), "eps"_a, "approximate_tanh"_a, "allow_tf32"_a, "stream"_a,
+        "out = GELU(LayerNorm(x) @ weight^T + bias), written into `out` (see "
+        "include/fusekit/ops/layernorm_linear_gelu.h). bias, ln_weight and ln_bias may be None. "
+        "approximate_tanh selects the tanh GELU (else the exact erf one); allow_tf32 lets float32 "
+        "products use TF32. `stream` is a cudaStream_t as an int (0: the legacy default stream; "
+        "ignored on the CPU).");
 
   m.def("build_info", &build_info,
         "What this build contains: version, with_cuda, cuda_architectures, with_openmp.");

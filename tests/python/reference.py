@@ -6,6 +6,7 @@ formula computed by PyTorch in that dtype", the yardstick of the low-precision e
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def mhc_post(x, residual, post_layer_mix, comb_res_mix):
@@ -40,3 +41,31 @@ def mhc_post_backward_abs(grad_out, x, residual, post_layer_mix, comb_res_mix):
     """The sums of |term| behind each gradient element, in float64 (see mhc_post_abs)."""
     return mhc_post_backward(*(t.double().abs() for t in (grad_out, x, residual, post_layer_mix,
                                                            comb_res_mix)))
+
+
+def layernorm_linear_gelu(x, weight, bias=None, ln_weight=None, ln_bias=None, eps=1e-5,
+                          approximate="tanh"):
+    """out = GELU(LayerNorm(x) @ weight^T + bias), unfused: F.layer_norm, F.linear, F.gelu.
+
+    x [..., K], weight [Nout, K], bias [Nout] or None, ln_weight and ln_bias [K] or None. Every
+    step runs in x's dtype (the LayerNorm and Linear parameters are cast to it), so that on
+    float64 tensors this is the reference and on a low-precision dtype it is PyTorch's own error
+    for the same formula.
+    """
+    cast = lambda t: None if t is None else t.to(x.dtype)  # noqa: E731
+    xn = F.layer_norm(x, x.shape[-1:], cast(ln_weight), cast(ln_bias), eps)
+    return F.gelu(F.linear(xn, cast(weight), cast(bias)), approximate=approximate)
+
+
+def layernorm_linear_gelu_abs(x, weight, bias=None, ln_weight=None, ln_bias=None, eps=1e-5):
+    """sum over the terms of each pre-activation of |term|, in float64:
+    (|xn * ln_weight| + |ln_bias|) @ |weight|^T + |bias| with xn the normalised x. Rounding the
+    normalised rows or the products scales with it (see mhc_post_abs)."""
+    x = x.double()
+    terms = F.layer_norm(x, x.shape[-1:], None, None, eps).abs()
+    if ln_weight is not None:
+        terms = terms * ln_weight.double().abs()
+    if ln_bias is not None:
+        terms = terms + ln_bias.double().abs()
+    out = terms @ weight.double().abs().mT
+    return out if bias is None else out + bias.double().abs()

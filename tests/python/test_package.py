@@ -60,6 +60,30 @@ def test_binding_takes_any_dlpack_array_in_place():
         assert (out == 5).all(), module.__name__
 
 
+def test_public_names():
+    import fusekit.torch
+
+    assert {"layernorm_linear_gelu", "mhc_post", "mhc_post_backward"} <= set(fusekit.__all__)
+    assert {"LayerNormLinearGELU", "layernorm_linear_gelu"} <= set(fusekit.torch.__all__)
+    for module in (fusekit, fusekit.torch):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_binding_optional_arrays_take_none():
+    """Optional inputs: None reaches the library as an absent argument."""
+    for module in (torch, np):
+        x = module.ones((2, 3), dtype=module.float32)
+        x[:, 0] = 4  # each row: mean 2, biased variance 2
+        weight = module.ones((1, 3), dtype=module.float32)
+        out = module.full((2, 1), module.nan, dtype=module.float32)
+        _C.layernorm_linear_gelu(out, x, weight, None, None, None, 0.0, False, True, 0)
+        assert abs(float(out.sum())) < 1e-5, module.__name__  # LayerNorm rows sum to 0
+        bias = module.full((1,), 10, dtype=module.float32)
+        _C.layernorm_linear_gelu(out, x, weight, bias, None, None, 0.0, False, True, 0)
+        assert abs(float(out[0, 0]) - 10) < 1e-4, module.__name__  # GELU(10) = 10
+
+
 def test_binding_dtype_errors_name_the_argument():
     x = np.zeros((2, 3), np.int8)
     residual = np.zeros((2, 1, 3), np.float32)
@@ -98,6 +122,10 @@ def test_import_without_torch():
         "out = fusekit.mhc_post(np.ones((2, 3), np.float32), np.ones((2, 1, 3), np.float32),\n"
         "                       np.ones((2, 1), np.float32), np.ones((2, 1, 1), np.float32))\n"
         "assert (out == 2).all(), out\n"
+        "y = fusekit.layernorm_linear_gelu(np.ones((2, 3), np.float32),\n"
+        "                                  np.ones((4, 3), np.float32), np.ones(4, np.float32),\n"
+        "                                  approximate='none')\n"
+        "assert y.shape == (2, 4) and (abs(y - 0.8413447) < 1e-6).all(), y\n"
         "assert 'torch' not in dir(fusekit)\n"
         "print('ok')\n"
     )
