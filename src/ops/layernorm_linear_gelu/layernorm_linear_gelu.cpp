@@ -37,7 +37,11 @@ std::int64_t collapsed_row_stride(const TensorView& t, int lead_ndim, std::int64
 // ln_weight / ln_bias: [K], x's dtype or float32.
 void check_ln_param(const char* arg, const TensorView& t, const TensorView& x, std::int64_t k) {
   detail::check_shape(kOp, arg, t, {{"K", k}});
-  detail::check_dtype(kOp, arg, t, {x.dtype, DType::Float32});
+  if (x.dtype == DType::Float32) {
+    detail::check_dtype(kOp, arg, t, {DType::Float32});
+  } else {
+    detail::check_dtype(kOp, arg, t, {x.dtype, DType::Float32});
+  }
   detail::check_same_device(kOp, arg, t, "x", x);
   detail::check_data(kOp, arg, t);
 }
