@@ -291,43 +291,41 @@ int fastest(cublasLtHandle_t handle, const LtObjects& lt, const void* a, const v
   std::size_t ws_bytes = 0;
   for (int i = 0; i < count; ++i) ws_bytes = std::max(ws_bytes, results[i].workspaceSize);
   const StreamWorkspace ws(ws_bytes, stream);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  FUSEKIT_CUDA_CHECK(cudaEventCreate(&start));
-  FUSEKIT_CUDA_CHECK(cudaEventCreate(&stop));
+  struct Events {  // destroyed on every way out
+    cudaEvent_t start = nullptr, stop = nullptr;
+    ~Events() {
+      if (start) cudaEventDestroy(start);
+      if (stop) cudaEventDestroy(stop);
+    }
+  } ev;
+  FUSEKIT_CUDA_CHECK(cudaEventCreate(&ev.start));
+  FUSEKIT_CUDA_CHECK(cudaEventCreate(&ev.stop));
   const float alpha = 1.0f, beta = 0.0f;
   // Two rounds over all candidates, each candidate's best round counted: the first round also
   // brings the clocks up, which would otherwise favour whichever candidate runs last.
   constexpr int kRounds = 2, kRuns = 3;
   std::vector<float> ms(count, std::numeric_limits<float>::infinity());
-  try {
-    for (int round = 0; round < kRounds; ++round) {
-      for (int i = 0; i < count; ++i) {
-        auto run = [&] {
-          return cublasLtMatmul(handle, lt.desc, &alpha, a, lt.a, b, lt.b, &beta, d, lt.d, d,
-                                lt.d, &results[i].algo, ws.as<void>(), ws_bytes, stream);
-        };
-        if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run is skipped
-        FUSEKIT_CUDA_CHECK(cudaEventRecord(start, stream));
-        for (int r = 0; r < kRuns; ++r) FUSEKIT_CUBLAS_CHECK(run());
-        FUSEKIT_CUDA_CHECK(cudaEventRecord(stop, stream));
-        FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
-        float t = 0;
-        FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-        ms[i] = std::min(ms[i], t);
-      }
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < count; ++i) {
+      auto run = [&] {
+        return cublasLtMatmul(handle, lt.desc, &alpha, a, lt.a, b, lt.b, &beta, d, lt.d, d, lt.d,
+                              &results[i].algo, ws.as<void>(), ws_bytes, stream);
+      };
+      if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run is skipped
+      FUSEKIT_CUDA_CHECK(cudaEventRecord(ev.start, stream));
+      for (int r = 0; r < kRuns; ++r) FUSEKIT_CUBLAS_CHECK(run());
+      FUSEKIT_CUDA_CHECK(cudaEventRecord(ev.stop, stream));
+      FUSEKIT_CUDA_CHECK(cudaEventSynchronize(ev.stop));
+      float t = 0;
+      FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&t, ev.start, ev.stop));
+      ms[i] = std::min(ms[i], t);
     }
-  } catch (...) {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
-    throw;
   }
   // The heuristic's first choice stands unless another is clearly (3%) faster.
   int best = 0;
   for (int i = 1; i < count; ++i) {
     if (ms[i] < ms[best] * (best == 0 ? 0.97f : 1.0f)) best = i;
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   return best;
 }
 
@@ -406,10 +404,13 @@ void matmul(const LayerNormLinearGeluParams& p, const void* xn, std::int64_t ld_
                   "weight ", align_a, ", out ", align_d, " bytes)");
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FUSEKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone || found == 1) {
+    if (capture != cudaStreamCaptureStatusNone) {
       chosen = results[0];  // the heuristic's first choice; not remembered, so a later call tunes
     } else {
-      chosen = results[fastest(handle, lt, p.weight, xn, p.out, results, found, stream)];
+      // With one candidate there is nothing to time, but the choice is still remembered, so
+      // later calls skip the heuristic.
+      chosen = found == 1 ? results[0]
+                          : results[fastest(handle, lt, p.weight, xn, p.out, results, found, stream)];
       const std::lock_guard lock(mutex);
       cache.emplace(key, chosen);
     }
