@@ -49,6 +49,36 @@ struct LolaLayouts {
   Layout out = {}, x = {}, weight = {}, bias = {}, ln_weight = {}, ln_bias = {};
 };
 
+/// A named set of layouts, for parameterised tests.
+struct LolaLayoutCase {
+  const char* name;
+  LolaLayouts layouts;
+};
+inline void PrintTo(const LolaLayoutCase& c, std::ostream* os) { *os << c.name; }
+
+/// The layouts both backends are tested with.
+inline const LolaLayoutCase kLolaLayouts[] = {
+    {"contiguous", {}},
+    // x[i, j, q] with dims ordered (1, 0, 2) in memory: leading dims that do not collapse
+    {"x_lead_permuted", {.x = {{1, 0, 2}, 0, 0}}},
+    // x with its K axis outermost: a non-unit stride along K
+    {"x_k_strided", {.x = {{2, 0, 1}, 0, 0}}},
+    // weight given as the transpose of a row-major [K, Nout]
+    {"weight_transposed", {.weight = {{1, 0}, 0, 0}}},
+    {"padded_rows", {.out = {{}, 5, 0}, .x = {{}, 3, 0}, .weight = {{}, 7, 0}}},
+    {"ln_params_strided", {.ln_weight = {{}, 1, 0}, .ln_bias = {{}, 2, 0}}},
+    // every base pointer one element past an aligned address
+    {"misaligned",
+     {.out = {{}, 0, 1},
+      .x = {{}, 0, 1},
+      .weight = {{}, 0, 1},
+      .bias = {{}, 0, 1},
+      .ln_weight = {{}, 0, 1},
+      .ln_bias = {{}, 0, 1}}},
+    {"misaligned_weight_transposed", {.weight = {{1, 0}, 0, 1}}},
+    {"out_misaligned", {.out = {{}, 0, 3}}},
+};
+
 /// Inputs in float64, rounded to what they will be on the device; x is kept as [M, K].
 struct LolaInputs {
   HostTensor x, weight, bias, ln_weight, ln_bias;

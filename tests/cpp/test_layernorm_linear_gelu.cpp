@@ -61,31 +61,6 @@ INSTANTIATE_TEST_SUITE_P(All, LolaCpu,
 
 // ------------------------------------------------------------------------------------ layouts
 
-struct LolaLayoutCase {
-  const char* name;
-  LolaLayouts layouts;
-};
-void PrintTo(const LolaLayoutCase& c, std::ostream* os) { *os << c.name; }
-
-const LolaLayoutCase kLayouts[] = {
-    {"contiguous", {}},
-    // x[i, j, q] with dims ordered (1, 0, 2) in memory: leading dims that do not collapse
-    {"x_lead_permuted", {.x = {{1, 0, 2}, 0, 0}}},
-    // x with its K axis outermost: a non-unit stride along K
-    {"x_k_strided", {.x = {{2, 0, 1}, 0, 0}}},
-    // weight given as the transpose of a row-major [K, Nout]
-    {"weight_transposed", {.weight = {{1, 0}, 0, 0}}},
-    {"padded_rows", {.out = {{}, 5, 0}, .x = {{}, 3, 0}, .weight = {{}, 7, 0}}},
-    {"ln_params_strided", {.ln_weight = {{}, 1, 0}, .ln_bias = {{}, 2, 0}}},
-    {"misaligned",
-     {.out = {{}, 0, 1},
-      .x = {{}, 0, 1},
-      .weight = {{}, 0, 1},
-      .bias = {{}, 0, 1},
-      .ln_weight = {{}, 0, 1},
-      .ln_bias = {{}, 0, 1}}},
-};
-
 class LolaCpuLayouts : public Seeded<::testing::TestWithParam<std::tuple<DType, LolaLayoutCase>>> {};
 
 TEST_P(LolaCpuLayouts, MatchesFloat64) {
@@ -94,7 +69,7 @@ TEST_P(LolaCpuLayouts, MatchesFloat64) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, LolaCpuLayouts,
-                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kLayouts)),
+                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kLolaLayouts)),
                          [](const auto& info) {
                            return dtype_name(std::get<0>(info.param)) + "_" +
                                   std::get<1>(info.param).name;

@@ -95,30 +95,6 @@ INSTANTIATE_TEST_SUITE_P(Float16, LolaCudaBenchShapes,
 
 // ------------------------------------------------------------------------------------ layouts
 
-struct LolaLayoutCase {
-  const char* name;
-  LolaLayouts layouts;
-};
-void PrintTo(const LolaLayoutCase& c, std::ostream* os) { *os << c.name; }
-
-const LolaLayoutCase kLayouts[] = {
-    {"contiguous", {}},
-    {"x_lead_permuted", {.x = {{1, 0, 2}, 0, 0}}},
-    {"x_k_strided", {.x = {{2, 0, 1}, 0, 0}}},
-    {"weight_transposed", {.weight = {{1, 0}, 0, 0}}},
-    {"padded_rows", {.out = {{}, 5, 0}, .x = {{}, 3, 0}, .weight = {{}, 7, 0}}},
-    {"ln_params_strided", {.ln_weight = {{}, 1, 0}, .ln_bias = {{}, 2, 0}}},
-    {"misaligned",
-     {.out = {{}, 0, 1},
-      .x = {{}, 0, 1},
-      .weight = {{}, 0, 1},
-      .bias = {{}, 0, 1},
-      .ln_weight = {{}, 0, 1},
-      .ln_bias = {{}, 0, 1}}},
-    {"misaligned_weight_transposed", {.weight = {{1, 0}, 0, 1}}},
-    {"out_misaligned", {.out = {{}, 0, 3}}},
-};
-
 class LolaCudaLayouts : public CudaTest<::testing::TestWithParam<std::tuple<DType, LolaLayoutCase>>> {};
 
 TEST_P(LolaCudaLayouts, MatchesFloat64AndCpu) {
@@ -128,7 +104,7 @@ TEST_P(LolaCudaLayouts, MatchesFloat64AndCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, LolaCudaLayouts,
-                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kLayouts)),
+                         ::testing::Combine(::testing::ValuesIn(kDtypes), ::testing::ValuesIn(kLolaLayouts)),
                          [](const auto& info) {
                            return dtype_name(std::get<0>(info.param)) + "_" +
                                   std::get<1>(info.param).name;
