@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from timing import bench, copy_ceiling, gemm_ceiling
+from timing import bench, copy_ceiling, gemm_ceiling, rel_err
 
 SHAPES = [  # (M rows, K in, N out)
     (512, 1024, 4096),     # prefill of 512 tokens, hidden 1024
@@ -63,13 +63,6 @@ def seed_prepare(x, weight, bias):
     """The seed's arguments: the weight as [K, N] and its column sums."""
     w_kn = weight.t().contiguous()
     return x, w_kn, w_kn.float().sum(0).to(x.dtype), bias
-
-
-def rel_err(got, ref):
-    got = got.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 # ------------------------------------------------------------------------------ rows

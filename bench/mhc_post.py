@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from timing import bench, copy_ceiling, gemm_ceiling, l2_cache_bytes
+from timing import bench, copy_ceiling, gemm_ceiling, l2_cache_bytes, rel_err
 
 FORWARD_SHAPES = [  # (N tokens, H hidden, hc streams)
     (4096, 1280, 4),
@@ -73,13 +73,6 @@ def reference_forward(x, residual, post_layer_mix, comb_res_mix):
 
 def reference_backward(grad_out, x, residual, post_layer_mix, comb_res_mix):
     return torch_backward(*(t.double() for t in (grad_out, x, residual, post_layer_mix, comb_res_mix)))
-
-
-def rel_err(got, ref):
-    got, ref = got.double(), ref.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 # ------------------------------------------------------------------------------ rows

@@ -16,6 +16,7 @@ bandwidth of a large device-to-device copy and the throughput of a large GEMM (b
 the ceilings each row is compared with.
 """
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -148,3 +149,11 @@ def gemm_ceiling(m=8192, dtype=torch.bfloat16):
     t = bench(lambda: a @ b, flush=False)
     del a, b
     return 2 * m**3 / (t.median_us * 1e-6) / 1e12
+
+
+def rel_err(got, ref):
+    """Relative Frobenius error of got against ref, in float64; inf when got is not finite."""
+    got, ref = got.double(), ref.double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
