@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/timer.h"
 #include "fusekit/tensor.h"
 
 namespace fusekit::tools {
@@ -20,6 +21,12 @@ struct BenchRow {
   double bytes = 0;  // each input read once plus each output written once
   double flops = 0;  // 2 per multiply-add of a matrix product; 0 where arithmetic does not count
 
+  /// Takes the median, the fastest run and the run count of a timing.
+  void set_timing(const detail::Timing& t) {
+    median_us = t.median_us;
+    min_us = t.min_us;
+    runs = t.runs;
+  }
   double bytes_per_s() const { return median_us > 0 ? bytes / (median_us * 1e-6) : 0; }
   double flops_per_s() const { return median_us > 0 ? flops / (median_us * 1e-6) : 0; }
 };

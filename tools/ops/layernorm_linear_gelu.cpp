@@ -354,9 +354,7 @@ void bench(const BenchContext& ctx) {
     const auto m = static_cast<double>(c.m), k = static_cast<double>(c.k),
                nout = static_cast<double>(c.nout);
     BenchRow row{kOp, "forward", bench_shape_name(c), kBenchDType, device};
-    row.median_us = t.median_us;
-    row.min_us = t.min_us;
-    row.runs = t.runs;
+    row.set_timing(t);
     row.bytes = (m * k + nout * k + nout + m * nout) * double(element_size(kBenchDType));
     row.flops = 2 * m * k * nout;
     ctx.record(row);

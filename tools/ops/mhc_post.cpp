@@ -318,9 +318,7 @@ void bench(const BenchContext& ctx) {
       // their gradients written.
       row.bytes = big * static_cast<double>(2 + 3 * c.hc) + 2 * mix;
     }
-    row.median_us = t.median_us;
-    row.min_us = t.min_us;
-    row.runs = t.runs;
+    row.set_timing(t);
     ctx.record(row);
   }
 }
