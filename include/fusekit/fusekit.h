@@ -6,3 +6,4 @@
 #include "fusekit/tensor.h"
 #include "fusekit/ops/layernorm_linear_gelu.h"
 #include "fusekit/ops/mhc_post.h"
+#include "fusekit/ops/trimul.h"

@@ -8,8 +8,6 @@
 // The algorithm: cuBLASLt's heuristic proposes candidates for the shape, layout and alignments;
 // the first call that is not being captured into a graph times them on the real operands (this
 // synchronises the stream once) and keeps the fastest for the rest of the process.
-#include <cublasLt.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -18,21 +16,12 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cublaslt.h"
 #include "common/cuda_check.h"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
 #include "common/dispatch.h"
 #include "ops/layernorm_linear_gelu/layernorm_linear_gelu_params.h"
-
-#define FUSEKIT_CUBLAS_CHECK(call)                                                         \
-  do {                                                                                     \
-    const cublasStatus_t fusekit_status_ = (call);                                         \
-    if (fusekit_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]]                             \
-      throw ::fusekit::Error(::fusekit::detail::concat(                                    \
-          "cuBLASLt error ", cublasLtGetStatusName(fusekit_status_), " (",                 \
-          cublasLtGetStatusString(fusekit_status_), ") in " #call " at ", __FILE__, ":", \
-          __LINE__));                                                                      \
-  } while (0)
 
 namespace fusekit::detail {
 
@@ -229,54 +218,10 @@ cudaDataType_t cuda_data_type(DType dtype) {
   throw Error(concat(kOp, ": no cuBLASLt type for dtype ", to_string(dtype)));
 }
 
-// The largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
-std::uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::uint32_t align = 256;
-  while (align > 1 && a % align != 0) align /= 2;
-  return align;
-}
-
-// One cuBLASLt handle per device, made on first use and kept for the life of the process.
-cublasLtHandle_t lt_handle(int device) {
-  static std::mutex mutex;
-  static std::map<int, cublasLtHandle_t> handles;
-  const std::lock_guard lock(mutex);
-  auto it = handles.find(device);
-  if (it == handles.end()) {
-    cublasLtHandle_t handle = nullptr;
-    FUSEKIT_CUBLAS_CHECK(cublasLtCreate(&handle));
-    it = handles.emplace(device, handle).first;
-  }
-  return it->second;
-}
-
 // Everything the heuristic's choice depends on.
 using GemmKey = std::tuple<int, int, bool, std::int64_t, std::int64_t, std::int64_t, bool,
                            std::int64_t, std::int64_t, std::int64_t, std::uint32_t, std::uint32_t,
                            std::uint32_t, std::uint32_t, int>;
-
-// RAII for the descriptors of one call.
-struct LtObjects {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  LtObjects() = default;
-  LtObjects(const LtObjects&) = delete;
-  LtObjects& operator=(const LtObjects&) = delete;
-  ~LtObjects() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (d) cublasLtMatrixLayoutDestroy(d);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (desc) cublasLtMatmulDescDestroy(desc);
-  }
-};
-
-template <typename V>
-void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
-  FUSEKIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
-}
 
 // Whether the matrix product applies GELU itself (see the top of the file).
 bool gelu_in_epilogue(const LayerNormLinearGeluParams& p) {

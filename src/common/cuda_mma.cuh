@@ -1,0 +1,53 @@
+// Warp-level tensor-core building blocks (sm_80 and later): asynchronous 16-byte copies into
+// shared memory, ldmatrix fragment loads and the m16n8k16 float16 MMA with float32 accumulation.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane l holds, of the 16x8
+// accumulator tile, rows l/4 (c[0], c[1]) and l/4 + 8 (c[2], c[3]), columns 2 (l % 4) + {0, 1}.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fusekit::detail {
+
+__device__ __forceinline__ std::uint32_t shared_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// 16 bytes global -> shared without passing through registers (cached in L2 only).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem)),
+               "l"(global));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/// Waits until at most `Pending` committed groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+}
+
+/// Four 8x8 float16 matrices; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(smem)));
+}
+/// Two 8x8 matrices; lanes 0-15 give the addresses.
+__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(smem)));
+}
+
+/// c += a b for a 16x16 (row-major) by 16x8 (column-major) float16 tile pair.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
+                                          std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+}  // namespace fusekit::detail

@@ -1,0 +1,673 @@
+// The CUDA backend of trimul, in four launches:
+//
+//  1. pack_weights: the five [H, C] projections into one float16 matrix, interleaved so that a
+//     warp's columns hold all five projections of the same eight hidden channels; to_out into a
+//     float16 [C, H]; the LayerNorm parameters into float32. Zero padding to whole tiles.
+//  2. project: a tile of rows is normalised over C (float32 statistics, two passes over values
+//     held in registers) into shared memory as float16; the five projections then run on tensor
+//     cores, 32 hidden channels at a time, with the next weight slices arriving by cp.async while
+//     the current ones are multiplied. The epilogue applies the mask and the gates and writes
+//     left and right as one float16 [N, N] plane per (b, d), the layout the pairwise product
+//     reads, and gate as float16 [M, H].
+//  3. pairwise: one strided-batched cuBLASLt product over the B * H planes, float16 output scaled
+//     by 1/N so that sums over N do not overflow float16.
+//  4. output: a tile of rows of p is gathered from its planes into shared memory, normalised
+//     over H (with eps / N^2, which undoes the scaling exactly), multiplied by gate and rounded to
+//     float16; the output projection then runs on tensor cores and writes out in x's dtype.
+//
+// Nothing of size [B, N, N, 5H] or in float32 is ever materialised: the temporaries are left,
+// right, p and gate, four float16 [B, N, N, H] tensors (planes padded to rows of 8 elements).
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/cublaslt.h"
+#include "common/cuda_check.h"
+#include "common/cuda_mma.cuh"
+#include "common/cuda_types.cuh"
+#include "common/cuda_workspace.h"
+#include "common/dispatch.h"
+#include "ops/trimul/trimul_params.h"
+
+namespace fusekit::detail {
+
+namespace {
+
+constexpr const char* kOp = "trimul";
+
+constexpr int kThreads = 256;                     // 8 warps: 2 along the rows, 4 along the columns
+constexpr int kKSlice = 32;                       // k of one pipeline stage
+constexpr int kStages = 3;                        // weight slices in flight
+constexpr int kSliceLd = kKSlice + 8;             // halves per staged weight row (conflict-free)
+constexpr int kChunkD = 32;                       // hidden channels per projection chunk
+constexpr int kProjCols = kProjections * kChunkD; // weight rows per projection chunk
+constexpr int kProjNT = kProjections;             // n8 tiles per warp: one per projection
+constexpr int kOutRows = 64;                      // rows per output tile
+constexpr int kOutMT = 2;                         // m16 tiles per warp in the output kernel
+constexpr int kOutNT = 4;                         // n8 tiles per warp in the output kernel
+constexpr int kOutCols = 4 * 8 * kOutNT;          // output columns per chunk
+constexpr int kCachedC = 24 * 32;                 // rows up to this long are held in registers
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+template <typename T>
+__device__ __forceinline__ float load_weight(const TrimulWeight& w, std::int64_t i,
+                                             std::int64_t j = 0) {
+  const std::int64_t offset = i * w.stride[0] + j * w.stride[1];
+  return w.dtype == DType::Float32 ? static_cast<const float*>(w.data)[offset]
+                                   : to_float(static_cast<const T*>(w.data)[offset]);
+}
+
+__device__ __forceinline__ float load_mask(const void* mask, DType dtype, std::int64_t offset) {
+  switch (dtype) {
+    case DType::Float32: return static_cast<const float*>(mask)[offset];
+    case DType::Float16: return __half2float(static_cast<const __half*>(mask)[offset]);
+    case DType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[offset]);
+    default: return static_cast<const std::uint8_t*>(mask)[offset] != 0 ? 1.0f : 0.0f;
+  }
+}
+
+// --------------------------------------------------------------------------- the tensor-core loop
+
+// C[rows, chunks * 32 NT] = A[rows, K] B^T for an A tile resident in shared memory (row stride
+// lda halves) and B [chunks * 32 NT, ldb] in global memory, streamed through shared memory in
+// slices of 32 k. Warp (wm, wn) owns rows wm 16 MT + [0, 16 MT) and columns wn 8 NT + [0, 8 NT)
+// of each chunk; after a chunk's last slice, epilogue(chunk, acc) sees the warp's accumulators.
+// Every thread of the block must call this (it synchronises the block).
+template <int MT, int NT, typename Epilogue>
+__device__ __forceinline__ void gemm_chunks(const __half* As, int lda, __half* Bs, const __half* B,
+                                            std::int64_t ldb, int chunks, int slices,
+                                            Epilogue&& epilogue) {
+  constexpr int kCols = 4 * 8 * NT;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  const int total = chunks * slices;
+
+  auto load_slice = [&](int it) {
+    if (it < total) {
+      const int chunk = it / slices, s = it % slices;
+      __half* dst = Bs + (it % kStages) * kCols * kSliceLd;
+      const __half* src = B + static_cast<std::int64_t>(chunk) * kCols * ldb + s * kKSlice;
+      for (int i = tid; i < kCols * (kKSlice / 8); i += kThreads) {
+        const int row = i / (kKSlice / 8), piece = i % (kKSlice / 8);
+        cp_async_16(dst + row * kSliceLd + piece * 8, src + row * ldb + piece * 8);
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the counting uniform
+  };
+  for (int it = 0; it < kStages - 1; ++it) load_slice(it);
+
+  float acc[MT][NT][4] = {};
+  for (int it = 0; it < total; ++it) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slice `it` has landed; slice it - 1 is no longer read by anyone
+    load_slice(it + kStages - 1);
+    const int chunk = it / slices, s = it % slices;
+    const __half* bs = Bs + (it % kStages) * kCols * kSliceLd;
+#pragma unroll
+    for (int kk = 0; kk < kKSlice; kk += 16) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int row = wm * 16 * MT + mt * 16 + (lane & 15);
+        ldmatrix_x4(a[mt], As + row * lda + s * kKSlice + kk + (lane >> 4) * 8);
+      }
+      std::uint32_t b[NT][2];
+#pragma unroll
+      for (int nt = 0; nt + 1 < NT; nt += 2) {
+        std::uint32_t r[4];
+        const int row = wn * 8 * NT + nt * 8 + (lane >> 4) * 8 + (lane & 7);
+        ldmatrix_x4(r, bs + row * kSliceLd + kk + ((lane >> 3) & 1) * 8);
+        b[nt][0] = r[0];
+        b[nt][1] = r[1];
+        b[nt + 1][0] = r[2];
+        b[nt + 1][1] = r[3];
+      }
+      if constexpr (NT % 2 == 1) {
+        std::uint32_t r[2];
+        const int row = wn * 8 * NT + (NT - 1) * 8 + (lane & 7);
+        ldmatrix_x2(r, bs + row * kSliceLd + kk + ((lane >> 3) & 1) * 8);
+        b[NT - 1][0] = r[0];
+        b[NT - 1][1] = r[1];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+      }
+    }
+    if (s == slices - 1) {
+      epilogue(chunk, acc);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// --------------------------------------------------------------------------- 1. weights
+
+struct PackArgs {
+  TrimulWeight proj[kProjections], to_out, norm_weight, norm_bias, out_norm_weight, out_norm_bias;
+  std::int64_t c, h, cp, hp, cpo, chunks;
+  __half* w5;   // [chunks * kProjCols, cp]
+  __half* wo;   // [cpo, hp]
+  float* ln;    // norm_weight [C], norm_bias [C], out_norm_weight [H], out_norm_bias [H]
+};
+
+template <typename T>
+__global__ void pack_weights(PackArgs a) {
+  const std::int64_t n5 = a.chunks * kProjCols * a.cp, no = a.cpo * a.hp;
+  const std::int64_t total = n5 + no + 2 * a.c + 2 * a.h;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    if (i < n5) {
+      // row = chunk * 160 + group * 40 + projection * 8 + channel, hidden d = chunk * 32 + group * 8 + channel
+      const std::int64_t row = i / a.cp, q = i % a.cp;
+      const std::int64_t chunk = row / kProjCols, within = row % kProjCols;
+      const std::int64_t group = within / (8 * kProjections), proj = within / 8 % kProjections;
+      const std::int64_t d = chunk * kChunkD + group * 8 + within % 8;
+      a.w5[i] = __float2half_rn(d < a.h && q < a.c ? load_weight<T>(a.proj[proj], d, q) : 0.0f);
+    } else if (i < n5 + no) {
+      const std::int64_t j = i - n5, row = j / a.hp, d = j % a.hp;
+      a.wo[j] = __float2half_rn(row < a.c && d < a.h ? load_weight<T>(a.to_out, row, d) : 0.0f);
+    } else {
+      std::int64_t j = i - n5 - no;
+      float v;
+      if (j < a.c) {
+        v = load_weight<T>(a.norm_weight, j);
+      } else if ((j -= a.c) < a.c) {
+        v = load_weight<T>(a.norm_bias, j);
+      } else if ((j -= a.c) < a.h) {
+        v = load_weight<T>(a.out_norm_weight, j);
+      } else {
+        v = load_weight<T>(a.out_norm_bias, j - a.h);
+      }
+      a.ln[i - n5 - no] = v;
+    }
+  }
+}
+
+// --------------------------------------------------------------------------- 2. projections
+
+struct ProjectArgs {
+  const void* x;
+  std::int64_t x_stride[3];
+  const void* mask;  // or null
+  DType mask_dtype;
+  std::int64_t mask_stride[3];
+  std::int64_t m, n, c, h, cp;
+  int chunks;
+  const __half* w5;
+  const float* ln_weight;
+  const float* ln_bias;
+  float eps;
+  __half* left;   // planes [B, H] of [N, ldn]
+  __half* right;
+  __half* gate;   // [M, H]
+  std::int64_t ldn, plane;
+};
+
+// Shared memory of the projection kernel, in bytes from the start.
+struct ProjectSmem {
+  int rows, lda;
+  __host__ __device__ ProjectSmem(int rows_, std::int64_t cp)
+      : rows(rows_), lda(static_cast<int>(cp) + 8) {}
+  __host__ __device__ std::size_t a() const { return 0; }
+  __host__ __device__ std::size_t b() const { return a() + std::size_t(rows) * lda * 2; }
+  __host__ __device__ std::size_t left() const { return b() + std::size_t(kStages) * kProjCols * kSliceLd * 2; }
+  __host__ __device__ std::size_t right() const { return left() + std::size_t(kChunkD) * (rows + 8) * 2; }
+  __host__ __device__ std::size_t gate() const { return right() + std::size_t(kChunkD) * (rows + 8) * 2; }
+  __host__ __device__ std::size_t row_base() const { return gate() + std::size_t(rows) * (kChunkD + 8) * 2; }
+  __host__ __device__ std::size_t row_mask() const { return row_base() + std::size_t(rows) * 8; }
+  __host__ __device__ std::size_t bytes() const { return row_mask() + std::size_t(rows) * 4; }
+};
+
+// LayerNorm_C of one row of x into shared memory as float16 (zeros past C), by one warp.
+template <typename T>
+__device__ __forceinline__ void normalise_row(const T* x, std::int64_t c, std::int64_t cp,
+                                              const float* w, const float* bias, float eps,
+                                              __half* dst) {
+  const int lane = threadIdx.x & 31;
+  const float shift = to_float(x[0]);  // sums of x - x[0]: no digits lost to a large mean
+  const float inv_c = 1.0f / static_cast<float>(c);
+  if (c <= kCachedC) {
+    float v[kCachedC / 32];
+#pragma unroll
+    for (int t = 0; t < kCachedC / 32; ++t) {
+      const std::int64_t q = t * 32 + lane;
+      v[t] = q < c ? to_float(x[q]) - shift : 0.0f;
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kCachedC / 32; ++t) sum += v[t];
+    const float mean = warp_sum(sum) * inv_c;
+    float sq = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kCachedC / 32; ++t) {
+      const float d = t * 32 + lane < c ? v[t] - mean : 0.0f;
+      sq += d * d;
+    }
+    const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
+#pragma unroll
+    for (int t = 0; t < kCachedC / 32; ++t) {
+      const std::int64_t q = t * 32 + lane;
+      if (q < cp) dst[q] = __float2half_rn(q < c ? (v[t] - mean) * rstd * w[q] + bias[q] : 0.0f);
+    }
+    return;
+  }
+  float sum = 0.0f;
+  for (std::int64_t q = lane; q < c; q += 32) sum += to_float(x[q]) - shift;
+  const float mean = warp_sum(sum) * inv_c;
+  float sq = 0.0f;
+  for (std::int64_t q = lane; q < c; q += 32) {
+    const float d = to_float(x[q]) - shift - mean;
+    sq += d * d;
+  }
+  const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
+  for (std::int64_t q = lane; q < cp; q += 32) {
+    dst[q] = __float2half_rn(q < c ? (to_float(x[q]) - shift - mean) * rstd * w[q] + bias[q] : 0.0f);
+  }
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads) project(ProjectArgs a) {
+  constexpr int kRows = 32 * MT;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ProjectSmem layout(kRows, a.cp);
+  auto* As = reinterpret_cast<__half*>(smem + layout.a());
+  auto* Bs = reinterpret_cast<__half*>(smem + layout.b());
+  auto* stage_left = reinterpret_cast<__half*>(smem + layout.left());    // [32][rows + 8]
+  auto* stage_right = reinterpret_cast<__half*>(smem + layout.right());  // [32][rows + 8]
+  auto* stage_gate = reinterpret_cast<__half*>(smem + layout.gate());    // [rows][32 + 8]
+  auto* row_base = reinterpret_cast<std::int64_t*>(smem + layout.row_base());
+  auto* row_mask = reinterpret_cast<float*>(smem + layout.row_mask());
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.x) * kRows;
+  const std::int64_t nn = a.n * a.n;
+
+  if (tid < kRows) {
+    const std::int64_t m = m0 + tid;
+    float mk = 0.0f;
+    std::int64_t base = 0;
+    if (m < a.m) {
+      const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
+      base = b * a.h * a.plane + i * a.ldn + j;
+      mk = a.mask ? load_mask(a.mask, a.mask_dtype,
+                              b * a.mask_stride[0] + i * a.mask_stride[1] + j * a.mask_stride[2])
+                  : 1.0f;
+    }
+    row_base[tid] = base;
+    row_mask[tid] = mk;
+  }
+  for (int r = warp; r < kRows; r += kThreads / 32) {
+    const std::int64_t m = m0 + r;
+    __half* dst = As + r * layout.lda;
+    if (m >= a.m) {
+      for (std::int64_t q = lane; q < a.cp; q += 32) dst[q] = __float2half_rn(0.0f);
+      continue;
+    }
+    const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
+    const T* x = static_cast<const T*>(a.x) + b * a.x_stride[0] + i * a.x_stride[1] + j * a.x_stride[2];
+    normalise_row(x, a.c, a.cp, a.ln_weight, a.ln_bias, a.eps, dst);
+  }
+  // (gemm_chunks synchronises before its first use of As, row_base and row_mask)
+
+  gemm_chunks<MT, kProjNT>(
+      As, layout.lda, Bs, a.w5, a.cp, a.chunks, static_cast<int>(a.cp / kKSlice),
+      [&](int chunk, const float (&acc)[MT][kProjNT][4]) {
+        const int wm = warp >> 2, wn = warp & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = wm * 16 * MT + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int dl = wn * 8 + 2 * (lane & 3) + (e & 1);
+            const float mk = row_mask[r];
+            const float left = acc[mt][kLeftProj][e] * mk * sigmoid(acc[mt][kLeftGate][e]);
+            const float right = acc[mt][kRightProj][e] * mk * sigmoid(acc[mt][kRightGate][e]);
+            stage_left[dl * (kRows + 8) + r] = __float2half_rn(left);
+            stage_right[dl * (kRows + 8) + r] = __float2half_rn(right);
+            stage_gate[r * (kChunkD + 8) + dl] = __float2half_rn(sigmoid(acc[mt][kOutGate][e]));
+          }
+        }
+        __syncthreads();
+        const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
+        // left and right: consecutive rows of one channel are consecutive in its plane
+        for (int i = tid; i < kChunkD * kRows; i += kThreads) {
+          const int dl = i / kRows, r = i % kRows;
+          if (d0 + dl < a.h && m0 + r < a.m) {
+            const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
+            a.left[offset] = stage_left[dl * (kRows + 8) + r];
+            a.right[offset] = stage_right[dl * (kRows + 8) + r];
+          }
+        }
+        for (int i = tid; i < kRows * kChunkD; i += kThreads) {
+          const int r = i / kChunkD, dl = i % kChunkD;
+          if (d0 + dl < a.h && m0 + r < a.m) {
+            a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
+          }
+        }
+      });
+}
+
+// --------------------------------------------------------------------------- 3. pairwise product
+
+// Everything the heuristic's choice depends on: device, N, planes, direction.
+using PairwiseKey = std::tuple<int, std::int64_t, std::int64_t, int>;
+
+// For each plane pair (L, R) of [N, N] (row-major, rows ldn apart): outgoing P = L R^T, incoming
+// P = L^T R, scaled by 1/N. In column-major terms P^T = R L^T (outgoing) or R^T L (incoming).
+void pairwise(const TrimulParams& p, const __half* left, const __half* right, __half* out,
+              std::int64_t ldn, std::int64_t plane, int device, cudaStream_t stream) {
+  const bool outgoing = p.direction == TrimulDirection::Outgoing;
+  const auto n = static_cast<std::uint64_t>(p.n);
+  const auto batch = static_cast<std::int32_t>(p.b * p.h);
+  FUSEKIT_CHECK(p.b * p.h <= INT32_MAX, kOp, ": B * H = ", p.b * p.h,
+                " planes exceed what one batched product can take (2^31 - 1)");
+  LtObjects lt;
+  FUSEKIT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(lt.desc, CUBLASLT_MATMUL_DESC_TRANSA, outgoing ? CUBLAS_OP_T : CUBLAS_OP_N);
+  set_desc(lt.desc, CUBLASLT_MATMUL_DESC_TRANSB, outgoing ? CUBLAS_OP_N : CUBLAS_OP_T);
+  for (cublasLtMatrixLayout_t* layout : {&lt.a, &lt.b, &lt.d}) {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(layout, CUDA_R_16F, n, n, ldn));
+    set_layout(*layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, batch);
+    set_layout(*layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, plane);
+  }
+
+  static std::mutex mutex;
+  static std::map<PairwiseKey, cublasLtMatmulHeuristicResult_t> cache;
+  const PairwiseKey key{device, p.n, p.b * p.h, static_cast<int>(p.direction)};
+  const cublasLtHandle_t handle = lt_handle(device);
+  cublasLtMatmulHeuristicResult_t chosen{};
+  {
+    const std::lock_guard lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      FUSEKIT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&lt.pref));
+      const std::uint64_t max_ws = std::uint64_t{32} << 20;
+      FUSEKIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          lt.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
+      int found = 0;
+      FUSEKIT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.d,
+                                                          lt.d, lt.pref, 1, &chosen, &found));
+      FUSEKIT_CHECK(found > 0, kOp, ": cuBLASLt has no algorithm for the pairwise product of ",
+                    batch, " float16 planes of ", p.n, " x ", p.n);
+      it = cache.emplace(key, chosen).first;
+    }
+    chosen = it->second;
+  }
+  const StreamWorkspace ws(chosen.workspaceSize, stream);
+  const float alpha = 1.0f / static_cast<float>(p.n), beta = 0.0f;
+  // A = the right planes, B = the left planes (see above)
+  FUSEKIT_CUBLAS_CHECK(cublasLtMatmul(handle, lt.desc, &alpha, right, lt.a, left, lt.b, &beta,
+                                      out, lt.d, out, lt.d, &chosen.algo, ws.as<void>(),
+                                      chosen.workspaceSize, stream));
+}
+
+// --------------------------------------------------------------------------- 4. output
+
+struct OutputArgs {
+  const __half* p;     // planes [B, H] of [N, ldn], scaled by 1/N
+  const __half* gate;  // [M, H]
+  std::int64_t m, n, c, h, hp, ldn, plane;
+  int chunks;
+  const __half* wo;    // [chunks * 128, hp]
+  const float* ln_weight;
+  const float* ln_bias;
+  float eps;           // eps / N^2
+  void* out;
+  std::int64_t out_stride[3];
+};
+
+struct OutputSmem {
+  int lda;
+  __host__ __device__ explicit OutputSmem(std::int64_t hp) : lda(static_cast<int>(hp) + 8) {}
+  __host__ __device__ std::size_t a() const { return 0; }
+  __host__ __device__ std::size_t b() const { return std::size_t(kOutRows) * lda * 2; }
+  __host__ __device__ std::size_t row_p() const { return b() + std::size_t(kStages) * kOutCols * kSliceLd * 2; }
+  __host__ __device__ std::size_t row_out() const { return row_p() + kOutRows * 8; }
+  __host__ __device__ std::size_t bytes() const { return row_out() + kOutRows * 8; }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) output(OutputArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const OutputSmem layout(a.hp);
+  auto* As = reinterpret_cast<__half*>(smem + layout.a());
+  auto* Bs = reinterpret_cast<__half*>(smem + layout.b());
+  auto* row_p = reinterpret_cast<std::int64_t*>(smem + layout.row_p());
+  auto* row_out = reinterpret_cast<std::int64_t*>(smem + layout.row_out());
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.x) * kOutRows;
+  const std::int64_t nn = a.n * a.n;
+  if (tid < kOutRows) {
+    const std::int64_t m = m0 + tid;
+    std::int64_t base = 0, offset = 0;
+    if (m < a.m) {
+      const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
+      base = b * a.h * a.plane + i * a.ldn + j;
+      offset = b * a.out_stride[0] + i * a.out_stride[1] + j * a.out_stride[2];
+    }
+    row_p[tid] = base;
+    row_out[tid] = offset;
+  }
+  __syncthreads();
+  // Gather: consecutive threads read consecutive rows of one channel's plane.
+  for (std::int64_t i = tid; i < kOutRows * a.hp; i += kThreads) {
+    const int r = static_cast<int>(i % kOutRows);
+    const std::int64_t d = i / kOutRows;
+    As[r * layout.lda + d] =
+        m0 + r < a.m && d < a.h ? a.p[row_p[r] + d * a.plane] : __float2half_rn(0.0f);
+  }
+  __syncthreads();
+  // LayerNorm over H and the gate, a warp per row, in place.
+  const float inv_h = 1.0f / static_cast<float>(a.h);
+  for (int r = warp; r < kOutRows; r += kThreads / 32) {
+    const std::int64_t m = m0 + r;
+    if (m >= a.m) continue;
+    __half* row = As + r * layout.lda;
+    float sum = 0.0f;
+    for (std::int64_t d = lane; d < a.h; d += 32) sum += __half2float(row[d]);
+    const float mean = warp_sum(sum) * inv_h;
+    float sq = 0.0f;
+    for (std::int64_t d = lane; d < a.h; d += 32) {
+      const float v = __half2float(row[d]) - mean;
+      sq += v * v;
+    }
+    const float rstd = rsqrtf(warp_sum(sq) * inv_h + a.eps);
+    const __half* gate = a.gate + m * a.h;
+    for (std::int64_t d = lane; d < a.h; d += 32) {
+      const float v = (__half2float(row[d]) - mean) * rstd * a.ln_weight[d] + a.ln_bias[d];
+      row[d] = __float2half_rn(v * __half2float(gate[d]));
+    }
+  }
+
+  gemm_chunks<kOutMT, kOutNT>(
+      As, layout.lda, Bs, a.wo, a.hp, a.chunks, static_cast<int>(a.hp / kKSlice),
+      [&](int chunk, const float (&acc)[kOutMT][kOutNT][4]) {
+        const int wm = warp >> 2, wn = warp & 3;
+        T* out = static_cast<T*>(a.out);
+#pragma unroll
+        for (int mt = 0; mt < kOutMT; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < kOutNT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = wm * 16 * kOutMT + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+              const std::int64_t col = static_cast<std::int64_t>(chunk) * kOutCols + wn * 8 * kOutNT +
+                                       nt * 8 + 2 * (lane & 3) + (e & 1);
+              if (m0 + r < a.m && col < a.c) out[row_out[r] + col] = from_float<T>(acc[mt][nt][e]);
+            }
+          }
+        }
+      });
+}
+
+// --------------------------------------------------------------------------- the launcher
+
+std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
+
+int max_shared_bytes(int device) {
+  int bytes = 0;
+  FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
+template <typename Kernel, typename Args>
+void launch_with_smem(Kernel kernel, std::int64_t blocks, std::size_t smem, const Args& args,
+                      cudaStream_t stream, const char* name) {
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(args);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    throw_cuda_error(err, name, __FILE__, __LINE__);
+  }
+}
+
+template <typename T>
+void run(const TrimulParams& p, int device, cudaStream_t stream) {
+  const std::int64_t m = p.rows();
+  const std::int64_t chunks = ceil_div(p.h, kChunkD), hp = chunks * kChunkD;
+  const std::int64_t cp = ceil_div(p.c, kKSlice) * kKSlice;
+  const std::int64_t out_chunks = ceil_div(p.c, kOutCols), cpo = out_chunks * kOutCols;
+  const std::int64_t ldn = ceil_div(p.n, 8) * 8, plane = p.n * ldn;
+
+  // Kernel configurations first, so that an unsupported size fails before any work is queued.
+  const int smem_limit = max_shared_bytes(device);
+  int project_mt = 0;
+  for (int mt : {4, 2, 1}) {
+    if (ProjectSmem(32 * mt, cp).bytes() <= static_cast<std::size_t>(smem_limit)) {
+      project_mt = mt;
+      break;
+    }
+  }
+  FUSEKIT_CHECK(project_mt > 0, kOp, ": C = ", p.c, " is too large for the CUDA backend (a tile ",
+                "of 32 normalised rows needs ", ProjectSmem(32, cp).bytes(),
+                " bytes of shared memory; the device has ", smem_limit, ")");
+  const OutputSmem out_layout(hp);
+  FUSEKIT_CHECK(out_layout.bytes() <= static_cast<std::size_t>(smem_limit), kOp, ": H = ", p.h,
+                " is too large for the CUDA backend (a tile of 64 rows of p needs ",
+                out_layout.bytes(), " bytes of shared memory; the device has ", smem_limit, ")");
+
+  // One workspace: packed weights, LayerNorm parameters, left, right, p, gate.
+  const std::size_t w5_bytes = round_up(chunks * kProjCols * cp * 2, 256);
+  const std::size_t wo_bytes = round_up(cpo * hp * 2, 256);
+  const std::size_t ln_bytes = round_up((2 * p.c + 2 * p.h) * 4, 256);
+  const std::size_t plane_bytes = round_up(p.b * p.h * plane * 2, 256);
+  const std::size_t gate_bytes = round_up(m * p.h * 2, 256);
+  const StreamWorkspace ws(w5_bytes + wo_bytes + ln_bytes + 3 * plane_bytes + gate_bytes, stream);
+  auto* base = ws.as<unsigned char>();
+  auto* w5 = reinterpret_cast<__half*>(base);
+  auto* wo = reinterpret_cast<__half*>(base + w5_bytes);
+  auto* ln = reinterpret_cast<float*>(base + w5_bytes + wo_bytes);
+  auto* left = reinterpret_cast<__half*>(base + w5_bytes + wo_bytes + ln_bytes);
+  auto* right = reinterpret_cast<__half*>(base + w5_bytes + wo_bytes + ln_bytes + plane_bytes);
+  auto* pp = reinterpret_cast<__half*>(base + w5_bytes + wo_bytes + ln_bytes + 2 * plane_bytes);
+  auto* gate = reinterpret_cast<__half*>(base + w5_bytes + wo_bytes + ln_bytes + 3 * plane_bytes);
+
+  PackArgs pack{};
+  for (int i = 0; i < kProjections; ++i) pack.proj[i] = p.proj[i];
+  pack.to_out = p.to_out;
+  pack.norm_weight = p.norm_weight;
+  pack.norm_bias = p.norm_bias;
+  pack.out_norm_weight = p.to_out_norm_weight;
+  pack.out_norm_bias = p.to_out_norm_bias;
+  pack.c = p.c;
+  pack.h = p.h;
+  pack.cp = cp;
+  pack.hp = hp;
+  pack.cpo = cpo;
+  pack.chunks = chunks;
+  pack.w5 = w5;
+  pack.wo = wo;
+  pack.ln = ln;
+  const std::int64_t pack_items = chunks * kProjCols * cp + cpo * hp + 2 * p.c + 2 * p.h;
+  const std::int64_t pack_blocks =
+      std::min<std::int64_t>(ceil_div(pack_items, kThreads), std::int64_t{multiprocessor_count(device)} * 4);
+  pack_weights<T><<<static_cast<unsigned>(pack_blocks), kThreads, 0, stream>>>(pack);
+  FUSEKIT_CUDA_CHECK_LAUNCH("trimul pack_weights");
+
+  ProjectArgs pa{};
+  pa.x = p.x;
+  pa.mask = p.mask;
+  pa.mask_dtype = p.mask_dtype;
+  for (int d = 0; d < 3; ++d) {
+    pa.x_stride[d] = p.x_stride[d];
+    pa.mask_stride[d] = p.mask_stride[d];
+  }
+  pa.m = m;
+  pa.n = p.n;
+  pa.c = p.c;
+  pa.h = p.h;
+  pa.cp = cp;
+  pa.chunks = static_cast<int>(chunks);
+  pa.w5 = w5;
+  pa.ln_weight = ln;
+  pa.ln_bias = ln + p.c;
+  pa.eps = p.eps;
+  pa.left = left;
+  pa.right = right;
+  pa.gate = gate;
+  pa.ldn = ldn;
+  pa.plane = plane;
+  const auto launch_project = [&](auto kernel, int mt) {
+    launch_with_smem(kernel, ceil_div(m, 32 * mt), ProjectSmem(32 * mt, cp).bytes(), pa, stream,
+                     "launch of trimul project");
+  };
+  switch (project_mt) {
+    case 4: launch_project(project<T, 4>, 4); break;
+    case 2: launch_project(project<T, 2>, 2); break;
+    default: launch_project(project<T, 1>, 1); break;
+  }
+
+  pairwise(p, left, right, pp, ldn, plane, device, stream);
+
+  OutputArgs oa{};
+  oa.p = pp;
+  oa.gate = gate;
+  oa.m = m;
+  oa.n = p.n;
+  oa.c = p.c;
+  oa.h = p.h;
+  oa.hp = hp;
+  oa.ldn = ldn;
+  oa.plane = plane;
+  oa.chunks = static_cast<int>(out_chunks);
+  oa.wo = wo;
+  oa.ln_weight = ln + 2 * p.c;
+  oa.ln_bias = ln + 2 * p.c + p.h;
+  oa.eps = static_cast<float>(static_cast<double>(p.eps) / (static_cast<double>(p.n) * p.n));
+  oa.out = p.out;
+  for (int d = 0; d < 3; ++d) oa.out_stride[d] = p.out_stride[d];
+  launch_with_smem(output<T>, ceil_div(m, kOutRows), out_layout.bytes(), oa, stream,
+                   "launch of trimul output");
+}
+
+}  // namespace
+
+void launch_trimul(const TrimulParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    run<typename CudaType<decltype(tag)::value>::type>(p, device, s);
+  });
+}
+
+}  // namespace fusekit::detail
