@@ -3,6 +3,7 @@
     import fusekit
     out = fusekit.mhc_post(x, residual, post_layer_mix, comb_res_mix)
     y = fusekit.layernorm_linear_gelu(x, weight, bias, ln_weight=gamma, ln_bias=beta)
+    z = fusekit.trimul(pair, mask, module.state_dict(), direction="incoming")
 
 Arrays are torch tensors or numpy arrays, all of one framework. They reach the C++ library as they
 are: any strides, no copy, no dtype cast, no device move. The library validates them and raises
@@ -19,6 +20,8 @@ directly otherwise.
 Each operator's manual (formula, shapes, dtypes, aliasing, determinism) is its C++ header,
 include/fusekit/ops/<op>.h.
 """
+
+from collections.abc import Mapping as _Mapping
 
 try:  # torch first: its CUDA runtime library then also serves the extension module
     import torch as _torch
@@ -41,6 +44,7 @@ __all__ = [
     "layernorm_linear_gelu",
     "mhc_post",
     "mhc_post_backward",
+    "trimul",
 ]
 
 _Tensor = _torch.Tensor if _torch is not None else None
@@ -226,3 +230,132 @@ def layernorm_linear_gelu(x, weight, bias=None, *, ln_weight=None, ln_bias=None,
         out = _np.empty((*x.shape[:-1], *weight.shape[:1]), dtype=x.dtype)
     _C.layernorm_linear_gelu(out, x, weight, bias, ln_weight, ln_bias, eps, tanh, allow_tf32, 0)
     return out
+
+
+# ------------------------------------------------------------------------------------ trimul
+
+# The parameters in the order of the binding's arguments (fusekit::TrimulWeights), keyed by their
+# names in the PyTorch module (fusekit.torch.TriangleMultiplication, and the reference TriMul).
+_TRIMUL_KEYS = (
+    "norm.weight",
+    "norm.bias",
+    "left_proj.weight",
+    "right_proj.weight",
+    "left_gate.weight",
+    "right_gate.weight",
+    "out_gate.weight",
+    "to_out_norm.weight",
+    "to_out_norm.bias",
+    "to_out.weight",
+)
+_TRIMUL_INCOMING = {"outgoing": False, "incoming": True}
+
+
+def trimul(x, mask, weights, *, direction="outgoing", eps=1e-5, out=None):
+    """The triangle multiplicative update of AlphaFold 3, forward:
+
+        xn    = LayerNorm(x) * norm.weight + norm.bias
+        left  = (xn @ left_proj.weight.T)  * mask * sigmoid(xn @ left_gate.weight.T)
+        right = (xn @ right_proj.weight.T) * mask * sigmoid(xn @ right_gate.weight.T)
+        gate  = sigmoid(xn @ out_gate.weight.T)
+        p     = sum_k left[b, i, k] * right[b, j, k]      direction "outgoing"
+                sum_k left[b, k, i] * right[b, k, j]      direction "incoming"
+        out   = ((LayerNorm(p) * to_out_norm.weight + to_out_norm.bias) * gate) @ to_out.weight.T
+
+    with the LayerNorms over the last axis (C, then H). x [B, N, N, C] or [N, N, C] in float32,
+    float16 or bfloat16 with its last axis contiguous (other strides any; any other x raises
+    fusekit.Error, it is not copied); mask [B, N, N] (or [N, N]) in float32, float16, bfloat16,
+    bool or uint8, or None for no mask. `weights` is a dict of the module's parameters keyed by their names, as a state
+    dict of fusekit.torch.TriangleMultiplication (or of the reference TriMul module) has them:
+    norm.weight, norm.bias [C]; left_proj.weight, right_proj.weight, left_gate.weight,
+    right_gate.weight, out_gate.weight [H, C]; to_out_norm.weight, to_out_norm.bias [H];
+    to_out.weight [C, H]; each float32 or x's dtype, any strides. eps is that of both
+    LayerNorms. Returns out in x's shape and dtype. If `out` is given it is written and
+    returned; its last axis must be contiguous and it must not overlap an input.
+
+    Forward only: autograd records the call, but backpropagating through it raises
+    fusekit.Error. On CUDA the products run on tensor cores with float16 operands; see
+    include/fusekit/ops/trimul.h for the precision, memory and determinism.
+    """
+    return _trimul(x, mask, _trimul_weights(weights), direction, eps, out)
+
+
+def _trimul(x, mask, weights, direction, eps, out):
+    """fusekit.trimul with the weights as a list in _TRIMUL_KEYS order."""
+    incoming = _TRIMUL_INCOMING.get(direction) if type(direction) is str else None
+    if incoming is None:
+        raise ValueError(f"trimul: direction is {direction!r}, expected 'outgoing' or 'incoming'")
+    # x is required, and _direct_torch_call passes over None
+    if x is not None and _direct_torch_call((x, mask, out, *weights)):
+        if out is None:
+            out = x.new_empty(x.shape)
+        xb, mask_b, out_b = _trimul_batched(x, mask, out)
+        _C.trimul(_dl(out_b), _dl(xb), None if mask_b is None else _dl(mask_b),
+                  *[_dl(w) for w in weights], incoming, eps, _stream(x))
+        return out
+
+    names, arrays = ["x", *_TRIMUL_KEYS], [x, *weights]
+    if mask is not None:
+        names.insert(1, "mask")
+        arrays.insert(1, mask)
+    kind = _framework("trimul", names, arrays)
+    if out is not None:
+        _check_out("trimul", out, kind, x)
+    if kind is _Tensor:
+        xb, mask_b, out_b = _trimul_batched(x, mask, out)
+        result = _ops.call_trimul(xb, mask_b, weights, direction, eps, out_b)
+        if out is not None:
+            return out
+        return result if xb is x else result[0]
+    if out is None:
+        out = _np.empty(x.shape, dtype=x.dtype)
+    xb, mask_b, out_b = _trimul_batched(x, mask, out)
+    _C.trimul(out_b, xb, mask_b, *weights, incoming, eps, 0)
+    return out
+
+
+def _trimul_batched(x, mask, out):
+    """(x, mask, out) with a batch axis: for x [N, N, C], views with B = 1 (mask and out may be
+    None)."""
+    if x.ndim == 4:
+        return x, mask, out
+    if x.ndim != 3:
+        raise Error(f"trimul: x has {x.ndim} dims {list(x.shape)}, expected 4 dims [B, N, N, C] "
+                    "or 3 dims [N, N, C]")
+    for name, a, ndim, dims in (("mask", mask, 2, "[N, N]"), ("out", out, 3, "[N, N, C]")):
+        if a is not None and a.ndim != ndim:
+            raise Error(f"trimul: {name} has {a.ndim} dims {list(a.shape)} but x {list(x.shape)} "
+                        f"has no batch axis; expected {name} {dims}")
+    return x[None], None if mask is None else mask[None], None if out is None else out[None]
+
+
+def _trimul_weights(weights):
+    """The parameters in _TRIMUL_KEYS order, looked up in the dict `weights`."""
+    try:
+        values = [weights[k] for k in _TRIMUL_KEYS]
+        if len(weights) == len(values):
+            for v in values:
+                if v is None:
+                    break
+            else:
+                return values
+    except (KeyError, TypeError):
+        pass
+    raise _trimul_weights_error(weights)
+
+
+def _trimul_weights_error(weights):
+    """The Error saying what is wrong with `weights`: no dict, or keys missing, None or extra."""
+    expected = f"expected exactly the keys {', '.join(_TRIMUL_KEYS)}"
+    if not isinstance(weights, _Mapping):
+        return Error(f"trimul: weights is a {_type_name(weights)}, expected a dict of the module's "
+                     f"parameters keyed by name; {expected}")
+    missing = [k for k in _TRIMUL_KEYS if k not in weights]
+    if missing:
+        return Error(f"trimul: weights has no {', '.join(map(repr, missing))}; {expected}")
+    unset = [k for k in _TRIMUL_KEYS if weights[k] is None]
+    if unset:
+        return Error(f"trimul: weights[{unset[0]!r}] is None, expected an array")
+    extra = [k for k in weights if k not in _TRIMUL_KEYS]
+    return Error(f"trimul: weights has the unexpected key{'s' if len(extra) > 1 else ''} "
+                 f"{', '.join(map(repr, extra))}; {expected}")

@@ -5,15 +5,19 @@
         -> (grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix)
     torch.ops.fusekit.layernorm_linear_gelu(x, weight, bias=None, ln_weight=None, ln_bias=None,
                                             eps=1e-5, approximate="tanh", allow_tf32=True) -> out
+    torch.ops.fusekit.trimul(x, mask, norm_weight, norm_bias, left_proj, right_proj, left_gate,
+                             right_gate, out_gate, to_out_norm_weight, to_out_norm_bias, to_out,
+                             direction="outgoing", eps=1e-5) -> out
 
-and the module LayerNormLinearGELU, which calls fusekit.layernorm_linear_gelu.
+and the modules LayerNormLinearGELU and TriangleMultiplication, which call
+fusekit.layernorm_linear_gelu and fusekit.trimul.
 
 `import fusekit` registers them when torch is installed. Each op allocates its outputs
 (contiguous) on the inputs' device and runs the C++ library on the current stream of that device.
 The fake implementations give the same shapes, dtypes and strides without running anything, so
 torch.compile and torch.export trace through them. The autograd formula of mhc_post is its
-backward op; layernorm_linear_gelu is forward only, and backpropagating through it raises
-fusekit.Error.
+backward op; layernorm_linear_gelu and trimul are forward only, and backpropagating through them
+raises fusekit.Error.
 """
 
 import math
@@ -27,7 +31,14 @@ import fusekit
 
 from . import _C
 
-__all__ = ["LayerNormLinearGELU", "layernorm_linear_gelu", "mhc_post", "mhc_post_backward"]
+__all__ = [
+    "LayerNormLinearGELU",
+    "TriangleMultiplication",
+    "layernorm_linear_gelu",
+    "mhc_post",
+    "mhc_post_backward",
+    "trimul",
+]
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 if _raw_stream is None:
@@ -255,3 +266,119 @@ class LayerNormLinearGELU(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, elementwise_affine={self.elementwise_affine}, "
                 f"eps={self.eps}, approximate={self.approximate!r}")
+
+
+# ------------------------------------------------------------------------------------ trimul
+
+
+def _trimul_incoming(direction):
+    if direction == "outgoing":
+        return False
+    if direction == "incoming":
+        return True
+    raise ValueError(f"trimul: direction is {direction!r}, expected 'outgoing' or 'incoming'")
+
+
+@torch.library.custom_op("fusekit::trimul", mutates_args=())
+def trimul(x: Tensor, mask: Optional[Tensor], norm_weight: Tensor, norm_bias: Tensor,
+           left_proj: Tensor, right_proj: Tensor, left_gate: Tensor, right_gate: Tensor,
+           out_gate: Tensor, to_out_norm_weight: Tensor, to_out_norm_bias: Tensor, to_out: Tensor,
+           direction: str = "outgoing", eps: float = 1e-5) -> Tensor:
+    """The triangle multiplicative update, forward only: x [B, N, N, C] -> out [B, N, N, C]; the
+    weights as in fusekit::TrimulWeights (include/fusekit/ops/trimul.h)."""
+    out = _empty(x)
+    weights = (norm_weight, norm_bias, left_proj, right_proj, left_gate, right_gate, out_gate,
+               to_out_norm_weight, to_out_norm_bias, to_out)
+    _C.trimul(_dl(out), _dl(x), _dl_optional(mask), *[_dl(w) for w in weights],
+              _trimul_incoming(direction), eps, _stream(x))
+    return out
+
+
+@trimul.register_fake
+def _trimul_fake(x, mask, norm_weight, norm_bias, left_proj, right_proj, left_gate, right_gate,
+                 out_gate, to_out_norm_weight, to_out_norm_bias, to_out, direction="outgoing",
+                 eps=1e-5):
+    _trimul_incoming(direction)
+    return _empty(x)
+
+
+def _trimul_setup_context(ctx, inputs, output):
+    pass  # nothing to save: the backward only reports that there is none
+
+
+def _trimul_autograd(ctx, grad_out):
+    raise _C.Error("trimul: backward was called, but the operator is forward only; expected it "
+                   "under torch.no_grad() or torch.inference_mode(), or on tensors that do not "
+                   "require grad")
+
+
+# Registered for the same reason as layernorm_linear_gelu's: autograd records the call, and
+# backward fails with this message.
+trimul.register_autograd(_trimul_autograd, setup_context=_trimul_setup_context)
+
+
+def call_trimul(x, mask, weights, direction, eps, out=None):
+    """fusekit.trimul through the op (x [B, N, N, C], `weights` in the op's order), for autograd,
+    compilers and tensor subclasses. `out` is filled by a copy, which a compiler can fuse; it is
+    refused when autograd records the call."""
+    result = trimul(x, mask, *weights, direction, eps)
+    if out is None:
+        return result
+    if torch.is_grad_enabled():
+        for t in (x, mask, *weights, out):
+            if t is not None and t.requires_grad:
+                raise _C.Error("trimul: out= was given while autograd records the call (a tensor "
+                               "requires grad); expected out=None under autograd")
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise _C.Error(f"trimul: out is {_describe(out)}, expected {_describe(result)}")
+    return out.copy_(result)
+
+
+class TriangleMultiplication(torch.nn.Module):
+    """The triangle multiplicative update of AlphaFold 3 (outgoing or incoming edges) in one
+    fusekit call, with the submodules of the usual PyTorch formulation, so that its state dict
+    loads unchanged:
+
+        norm                  torch.nn.LayerNorm(dim)
+        left_proj, right_proj, left_gate, right_gate, out_gate
+                              torch.nn.Linear(dim, hidden_dim, bias=False)
+        to_out_norm           torch.nn.LayerNorm(hidden_dim)
+        to_out                torch.nn.Linear(hidden_dim, dim, bias=False)
+
+    forward(x, mask=None): x [B, N, N, dim] or [N, N, dim], mask [B, N, N] (or [N, N]) or None;
+    returns fusekit.trimul(x, mask, <the parameters>, direction=direction, eps=eps). The
+    submodules are initialised as torch.nn initialises them; `eps` is that of both LayerNorms.
+
+    Forward only: training through it raises fusekit.Error on backward. Under torch.compile, run
+    it where autograd does not record (torch.no_grad(), torch.inference_mode(), or parameters
+    that do not require grad): otherwise the compiler traces the backward ahead of time and
+    fails with that error.
+    """
+
+    def __init__(self, dim, hidden_dim, direction="outgoing", eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        _trimul_incoming(direction)
+        factory = {"device": device, "dtype": dtype}
+        self.dim = dim
+        self.hidden_dim = hidden_dim
+        self.direction = direction
+        self.eps = eps
+        self.norm = torch.nn.LayerNorm(dim, eps=eps, **factory)
+        self.left_proj = torch.nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.right_proj = torch.nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.left_gate = torch.nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.right_gate = torch.nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.out_gate = torch.nn.Linear(dim, hidden_dim, bias=False, **factory)
+        self.to_out_norm = torch.nn.LayerNorm(hidden_dim, eps=eps, **factory)
+        self.to_out = torch.nn.Linear(hidden_dim, dim, bias=False, **factory)
+
+    def forward(self, x, mask=None):
+        weights = [self.norm.weight, self.norm.bias, self.left_proj.weight,
+                   self.right_proj.weight, self.left_gate.weight, self.right_gate.weight,
+                   self.out_gate.weight, self.to_out_norm.weight, self.to_out_norm.bias,
+                   self.to_out.weight]  # in the order of fusekit._TRIMUL_KEYS
+        return fusekit._trimul(x, mask, weights, self.direction, self.eps, None)
+
+    def extra_repr(self):
+        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, direction={self.direction!r}, "
+                f"eps={self.eps}")

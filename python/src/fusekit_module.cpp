@@ -186,6 +186,36 @@ void layernorm_linear_gelu(const OutArray& out, const InArray& x, const InArray&
                                  to_stream(stream));
 }
 
+// ------------------------------------------------------------------------------------ trimul
+
+void trimul(const OutArray& out, const InArray& x, const InArray& mask, const InArray& norm_weight,
+            const InArray& norm_bias, const InArray& left_proj, const InArray& right_proj,
+            const InArray& left_gate, const InArray& right_gate, const InArray& out_gate,
+            const InArray& to_out_norm_weight, const InArray& to_out_norm_bias,
+            const InArray& to_out, bool incoming, double eps, std::uintptr_t stream) {
+  constexpr const char* op = "trimul";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_mask = to_optional_view(mask, op, "mask");
+  fusekit::TrimulWeights weights;
+  weights.norm_weight = to_view(norm_weight, op, "norm_weight");
+  weights.norm_bias = to_view(norm_bias, op, "norm_bias");
+  weights.left_proj = to_view(left_proj, op, "left_proj");
+  weights.right_proj = to_view(right_proj, op, "right_proj");
+  weights.left_gate = to_view(left_gate, op, "left_gate");
+  weights.right_gate = to_view(right_gate, op, "right_gate");
+  weights.out_gate = to_view(out_gate, op, "out_gate");
+  weights.to_out_norm_weight = to_view(to_out_norm_weight, op, "to_out_norm_weight");
+  weights.to_out_norm_bias = to_view(to_out_norm_bias, op, "to_out_norm_bias");
+  weights.to_out = to_view(to_out, op, "to_out");
+  fusekit::TrimulOptions options;
+  options.direction =
+      incoming ? fusekit::TrimulDirection::Incoming : fusekit::TrimulDirection::Outgoing;
+  options.eps = eps;
+  nb::gil_scoped_release release;
+  fusekit::trimul(v_out, v_x, v_mask, weights, options, to_stream(stream));
+}
+
 // ------------------------------------------------------------------------------------ runtime
 
 nb::dict build_info() {
@@ -238,6 +268,18 @@ NB_MODULE(_C, m) {
         "approximate_tanh selects the tanh GELU (else the exact erf one); allow_tf32 lets float32 "
         "products use TF32. `stream` is a cudaStream_t as an int (0: the legacy default stream; "
         "ignored on the CPU).");
+
+  m.def("trimul", &trimul, "out"_a.noconvert(), "x"_a.noconvert(), "mask"_a.noconvert().none(),
+        "norm_weight"_a.noconvert(), "norm_bias"_a.noconvert(), "left_proj"_a.noconvert(),
+        "right_proj"_a.noconvert(), "left_gate"_a.noconvert(), "right_gate"_a.noconvert(),
+        "out_gate"_a.noconvert(), "to_out_norm_weight"_a.noconvert(),
+        "to_out_norm_bias"_a.noconvert(), "to_out"_a.noconvert(), "incoming"_a, "eps"_a,
+        "stream"_a,
+        "The triangle multiplicative update of AlphaFold 3, outgoing (or incoming when "
+        "`incoming`), written into `out` [B, N, N, C] (see include/fusekit/ops/trimul.h). mask "
+        "[B, N, N] may be None. The weights are the module's parameters, named as in "
+        "fusekit::TrimulWeights. `stream` is a cudaStream_t as an int (0: the legacy default "
+        "stream; ignored on the CPU).");
 
   m.def("build_info", &build_info,
         "What this build contains: version, with_cuda, cuda_architectures, with_openmp.");
