@@ -10,11 +10,13 @@ namespace fusekit::tools {
 // Registering an operator: declare its <op>_op(), defined in tools/ops/<op>.cpp, and list it.
 Op mhc_post_op();
 Op layernorm_linear_gelu_op();
+Op trimul_op();
 
 std::span<const Op> all_ops() {
   static const Op ops[] = {
       mhc_post_op(),
       layernorm_linear_gelu_op(),
+      trimul_op(),
   };
   return ops;
 }
