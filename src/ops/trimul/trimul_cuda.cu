@@ -56,7 +56,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + __expf(-v)); }
+__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
 
 template <typename T>
 __device__ __forceinline__ float load_weight(const TrimulWeight& w, std::int64_t i,
@@ -114,12 +114,6 @@ __device__ __forceinline__ void gemm_chunks(const __half* As, int lda, __half* B
     const __half* bs = Bs + (it % kStages) * kCols * kSliceLd;
 #pragma unroll
     for (int kk = 0; kk < kKSlice; kk += 16) {
-      std::uint32_t a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int row = wm * 16 * MT + mt * 16 + (lane & 15);
-        ldmatrix_x4(a[mt], As + row * lda + s * kKSlice + kk + (lane >> 4) * 8);
-      }
       std::uint32_t b[NT][2];
 #pragma unroll
       for (int nt = 0; nt + 1 < NT; nt += 2) {
@@ -140,8 +134,11 @@ __device__ __forceinline__ void gemm_chunks(const __half* As, int lda, __half* B
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
+        std::uint32_t a[4];
+        const int row = wm * 16 * MT + mt * 16 + (lane & 15);
+        ldmatrix_x4(a, As + row * lda + s * kKSlice + kk + (lane >> 4) * 8);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+        for (int nt = 0; nt < NT; ++nt) mma_16816(acc[mt][nt], a, b[nt][0], b[nt][1]);
       }
     }
     if (s == slices - 1) {
@@ -207,6 +204,8 @@ __global__ void pack_weights(PackArgs a) {
 struct ProjectArgs {
   const void* x;
   std::int64_t x_stride[3];
+  bool x_staged;   // rows are 16-byte aligned multiples of 16 bytes: copied by cp.async
+  int x_group;     // rows per staged group
   const void* mask;  // or null
   DType mask_dtype;
   std::int64_t mask_stride[3];
@@ -222,7 +221,8 @@ struct ProjectArgs {
   std::int64_t ldn, plane;
 };
 
-// Shared memory of the projection kernel, in bytes from the start.
+// Shared memory of the projection kernel, in bytes from the start. Until the matrix product
+// starts, the weight stages and the epilogue staging (together `x_stage_bytes`) hold raw rows of x.
 struct ProjectSmem {
   int rows, lda;
   __host__ __device__ ProjectSmem(int rows_, std::int64_t cp)
@@ -233,23 +233,26 @@ struct ProjectSmem {
   __host__ __device__ std::size_t right() const { return left() + std::size_t(kChunkD) * (rows + 8) * 2; }
   __host__ __device__ std::size_t gate() const { return right() + std::size_t(kChunkD) * (rows + 8) * 2; }
   __host__ __device__ std::size_t row_base() const { return gate() + std::size_t(rows) * (kChunkD + 8) * 2; }
-  __host__ __device__ std::size_t row_mask() const { return row_base() + std::size_t(rows) * 8; }
+  __host__ __device__ std::size_t row_x() const { return row_base() + std::size_t(rows) * 8; }
+  __host__ __device__ std::size_t row_mask() const { return row_x() + std::size_t(rows) * 8; }
   __host__ __device__ std::size_t bytes() const { return row_mask() + std::size_t(rows) * 4; }
+  __host__ __device__ std::size_t x_stage_bytes() const { return row_base() - b(); }
 };
 
-// LayerNorm_C of one row of x into shared memory as float16 (zeros past C), by one warp.
-template <typename T>
-__device__ __forceinline__ void normalise_row(const T* x, std::int64_t c, std::int64_t cp,
-                                              const float* w, const float* bias, float eps,
-                                              __half* dst) {
+// LayerNorm_C of one row into shared memory as float16 (zeros past C), by one warp. A row in
+// global memory of at most kCachedC values is read once into registers; a row already in shared
+// memory (FROM_SHARED) is read three times from there.
+template <bool FROM_SHARED, typename T>
+__device__ __forceinline__ void normalise_row(const T* x, int c, int cp, const float* w,
+                                              const float* bias, float eps, __half* dst) {
   const int lane = threadIdx.x & 31;
   const float shift = to_float(x[0]);  // sums of x - x[0]: no digits lost to a large mean
   const float inv_c = 1.0f / static_cast<float>(c);
-  if (c <= kCachedC) {
+  if (!FROM_SHARED && c <= kCachedC) {
     float v[kCachedC / 32];
 #pragma unroll
     for (int t = 0; t < kCachedC / 32; ++t) {
-      const std::int64_t q = t * 32 + lane;
+      const int q = t * 32 + lane;
       v[t] = q < c ? to_float(x[q]) - shift : 0.0f;
     }
     float sum = 0.0f;
@@ -265,27 +268,35 @@ __device__ __forceinline__ void normalise_row(const T* x, std::int64_t c, std::i
     const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
 #pragma unroll
     for (int t = 0; t < kCachedC / 32; ++t) {
-      const std::int64_t q = t * 32 + lane;
+      const int q = t * 32 + lane;
       if (q < cp) dst[q] = __float2half_rn(q < c ? (v[t] - mean) * rstd * w[q] + bias[q] : 0.0f);
     }
     return;
   }
   float sum = 0.0f;
-  for (std::int64_t q = lane; q < c; q += 32) sum += to_float(x[q]) - shift;
+  for (int q = lane; q < c; q += 32) sum += to_float(x[q]) - shift;
   const float mean = warp_sum(sum) * inv_c;
   float sq = 0.0f;
-  for (std::int64_t q = lane; q < c; q += 32) {
+  for (int q = lane; q < c; q += 32) {
     const float d = to_float(x[q]) - shift - mean;
     sq += d * d;
   }
   const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
-  for (std::int64_t q = lane; q < cp; q += 32) {
+  for (int q = lane; q < cp; q += 32) {
     dst[q] = __float2half_rn(q < c ? (to_float(x[q]) - shift - mean) * rstd * w[q] + bias[q] : 0.0f);
   }
 }
 
+// Whether rows [m0, m0 + rows) sit back to back in their planes (one batch, no row padding), so
+// that a channel's values for the tile are one contiguous, 16-byte aligned run.
+__device__ __forceinline__ bool contiguous_tile(std::int64_t m0, int rows, std::int64_t m,
+                                                std::int64_t n, std::int64_t ldn) {
+  const std::int64_t nn = n * n;
+  return ldn == n && m0 + rows <= m && m0 / nn == (m0 + rows - 1) / nn;
+}
+
 template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads) project(ProjectArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
   constexpr int kRows = 32 * MT;
   extern __shared__ __align__(16) unsigned char smem[];
   const ProjectSmem layout(kRows, a.cp);
@@ -295,39 +306,78 @@ __global__ void __launch_bounds__(kThreads) project(ProjectArgs a) {
   auto* stage_right = reinterpret_cast<__half*>(smem + layout.right());  // [32][rows + 8]
   auto* stage_gate = reinterpret_cast<__half*>(smem + layout.gate());    // [rows][32 + 8]
   auto* row_base = reinterpret_cast<std::int64_t*>(smem + layout.row_base());
+  auto* row_x = reinterpret_cast<std::int64_t*>(smem + layout.row_x());
   auto* row_mask = reinterpret_cast<float*>(smem + layout.row_mask());
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.x) * kRows;
   const std::int64_t nn = a.n * a.n;
+  const T* x = static_cast<const T*>(a.x);
 
   if (tid < kRows) {
     const std::int64_t m = m0 + tid;
     float mk = 0.0f;
-    std::int64_t base = 0;
+    std::int64_t base = 0, offset = 0;
     if (m < a.m) {
       const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
       base = b * a.h * a.plane + i * a.ldn + j;
+      offset = b * a.x_stride[0] + i * a.x_stride[1] + j * a.x_stride[2];
       mk = a.mask ? load_mask(a.mask, a.mask_dtype,
                               b * a.mask_stride[0] + i * a.mask_stride[1] + j * a.mask_stride[2])
                   : 1.0f;
     }
     row_base[tid] = base;
+    row_x[tid] = offset;
     row_mask[tid] = mk;
   }
-  for (int r = warp; r < kRows; r += kThreads / 32) {
-    const std::int64_t m = m0 + r;
-    __half* dst = As + r * layout.lda;
-    if (m >= a.m) {
-      for (std::int64_t q = lane; q < a.cp; q += 32) dst[q] = __float2half_rn(0.0f);
-      continue;
-    }
-    const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
-    const T* x = static_cast<const T*>(a.x) + b * a.x_stride[0] + i * a.x_stride[1] + j * a.x_stride[2];
-    normalise_row(x, a.c, a.cp, a.ln_weight, a.ln_bias, a.eps, dst);
-  }
-  // (gemm_chunks synchronises before its first use of As, row_base and row_mask)
+  __syncthreads();
 
+  // LayerNorm_C into As. Staged: groups of rows arrive by cp.async, all in flight at once.
+  auto zero_row = [&](int r) {
+    for (int q = lane; q < a.cp; q += 32) As[r * layout.lda + q] = __float2half_rn(0.0f);
+  };
+  if (a.x_staged) {
+    T* xs = reinterpret_cast<T*>(smem + layout.b());
+    const int pieces = static_cast<int>(a.c * sizeof(T) / 16);  // per row
+    constexpr int kPerPiece = 16 / sizeof(T);
+    const int c = static_cast<int>(a.c);
+    for (int g0 = 0; g0 < kRows; g0 += a.x_group) {
+      const int rows = min(a.x_group, kRows - g0);
+      for (int r = warp; r < rows; r += kThreads / 32) {  // a warp per row
+        if (m0 + g0 + r < a.m) {
+          const T* src = x + row_x[g0 + r];
+          for (int piece = lane; piece < pieces; piece += 32) {
+            cp_async_16(xs + r * c + piece * kPerPiece, src + piece * kPerPiece);
+          }
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      for (int r = warp; r < rows; r += kThreads / 32) {
+        if (m0 + g0 + r < a.m) {
+          normalise_row<true>(xs + r * c, c, static_cast<int>(a.cp), a.ln_weight, a.ln_bias,
+                              a.eps, As + (g0 + r) * layout.lda);
+        } else {
+          zero_row(g0 + r);
+        }
+      }
+      __syncthreads();  // the group's rows are read before the next group overwrites them
+    }
+  } else {
+    for (int r = warp; r < kRows; r += kThreads / 32) {
+      if (m0 + r < a.m) {
+        normalise_row<false>(x + row_x[r], static_cast<int>(a.c), static_cast<int>(a.cp),
+                             a.ln_weight, a.ln_bias, a.eps, As + r * layout.lda);
+      } else {
+        zero_row(r);
+      }
+    }
+  }
+  // (gemm_chunks synchronises before its first use of As and before overwriting the x stage)
+
+  const bool contiguous = contiguous_tile(m0, kRows, a.m, a.n, a.ldn);
+  const bool gate_vec = a.h % 8 == 0;
   gemm_chunks<MT, kProjNT>(
       As, layout.lda, Bs, a.w5, a.cp, a.chunks, static_cast<int>(a.cp / kKSlice),
       [&](int chunk, const float (&acc)[MT][kProjNT][4]) {
@@ -348,19 +398,42 @@ __global__ void __launch_bounds__(kThreads) project(ProjectArgs a) {
         }
         __syncthreads();
         const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
-        // left and right: consecutive rows of one channel are consecutive in its plane
-        for (int i = tid; i < kChunkD * kRows; i += kThreads) {
-          const int dl = i / kRows, r = i % kRows;
-          if (d0 + dl < a.h && m0 + r < a.m) {
-            const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
-            a.left[offset] = stage_left[dl * (kRows + 8) + r];
-            a.right[offset] = stage_right[dl * (kRows + 8) + r];
+        const int channels = static_cast<int>((a.h - d0 < kChunkD ? a.h - d0 : kChunkD));
+        // left and right: a channel's rows are consecutive in its plane
+        if (contiguous) {
+          constexpr int kPieces = kRows / 8;  // of 16 bytes per channel
+          for (int i = tid; i < channels * kPieces; i += kThreads) {
+            const int dl = i / kPieces, piece = i % kPieces;
+            const std::int64_t offset = row_base[0] + (d0 + dl) * a.plane + piece * 8;
+            const int from = dl * (kRows + 8) + piece * 8;
+            *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
+            *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
+          }
+        } else {
+          for (int i = tid; i < channels * kRows; i += kThreads) {
+            const int dl = i / kRows, r = i % kRows;
+            if (m0 + r < a.m) {
+              const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
+              a.left[offset] = stage_left[dl * (kRows + 8) + r];
+              a.right[offset] = stage_right[dl * (kRows + 8) + r];
+            }
           }
         }
-        for (int i = tid; i < kRows * kChunkD; i += kThreads) {
-          const int r = i / kChunkD, dl = i % kChunkD;
-          if (d0 + dl < a.h && m0 + r < a.m) {
-            a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
+        if (gate_vec) {  // channels is a multiple of 8 too
+          const int pieces = channels / 8;
+          for (int i = tid; i < kRows * pieces; i += kThreads) {
+            const int r = i / pieces, piece = i % pieces;
+            if (m0 + r < a.m) {
+              *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
+                  *reinterpret_cast<const uint4*>(stage_gate + r * (kChunkD + 8) + piece * 8);
+            }
+          }
+        } else {
+          for (int i = tid; i < kRows * kChunkD; i += kThreads) {
+            const int r = i / kChunkD, dl = i % kChunkD;
+            if (dl < channels && m0 + r < a.m) {
+              a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
+            }
           }
         }
       });
@@ -435,22 +508,36 @@ struct OutputArgs {
   std::int64_t out_stride[3];
 };
 
+// Shared memory of the output kernel. Until the matrix product starts, the weight stages and
+// what follows them hold the tile's p ([hp][64 + 8]) and gate ([64][H]) as copied by cp.async.
 struct OutputSmem {
   int lda;
-  __host__ __device__ explicit OutputSmem(std::int64_t hp) : lda(static_cast<int>(hp) + 8) {}
+  std::int64_t hp, h;
+  __host__ __device__ OutputSmem(std::int64_t hp_, std::int64_t h_)
+      : lda(static_cast<int>(hp_) + 8), hp(hp_), h(h_) {}
   __host__ __device__ std::size_t a() const { return 0; }
-  __host__ __device__ std::size_t b() const { return std::size_t(kOutRows) * lda * 2; }
-  __host__ __device__ std::size_t row_p() const { return b() + std::size_t(kStages) * kOutCols * kSliceLd * 2; }
+  __host__ __device__ std::size_t stage() const { return std::size_t(kOutRows) * lda * 2; }
+  __host__ __device__ std::size_t p_stage() const { return stage(); }
+  __host__ __device__ std::size_t gate_stage() const { return stage() + std::size_t(hp) * (kOutRows + 8) * 2; }
+  __host__ __device__ std::size_t stage_end() const {
+    const std::size_t weights = std::size_t(kStages) * kOutCols * kSliceLd * 2;
+    const std::size_t tile = gate_stage() - stage() + round_up16(std::size_t(kOutRows) * h * 2);
+    return stage() + (weights > tile ? weights : tile);
+  }
+  __host__ __device__ std::size_t row_p() const { return stage_end(); }
   __host__ __device__ std::size_t row_out() const { return row_p() + kOutRows * 8; }
   __host__ __device__ std::size_t bytes() const { return row_out() + kOutRows * 8; }
+  __host__ __device__ static std::size_t round_up16(std::size_t v) { return (v + 15) / 16 * 16; }
 };
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) output(OutputArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const OutputSmem layout(a.hp);
+  const OutputSmem layout(a.hp, a.h);
   auto* As = reinterpret_cast<__half*>(smem + layout.a());
-  auto* Bs = reinterpret_cast<__half*>(smem + layout.b());
+  auto* Bs = reinterpret_cast<__half*>(smem + layout.stage());
+  auto* p_stage = reinterpret_cast<__half*>(smem + layout.p_stage());        // [hp][64 + 8]
+  auto* gate_stage = reinterpret_cast<__half*>(smem + layout.gate_stage());  // [64][H]
   auto* row_p = reinterpret_cast<std::int64_t*>(smem + layout.row_p());
   auto* row_out = reinterpret_cast<std::int64_t*>(smem + layout.row_out());
 
@@ -469,35 +556,63 @@ __global__ void __launch_bounds__(kThreads) output(OutputArgs a) {
     row_out[tid] = offset;
   }
   __syncthreads();
-  // Gather: consecutive threads read consecutive rows of one channel's plane.
-  for (std::int64_t i = tid; i < kOutRows * a.hp; i += kThreads) {
-    const int r = static_cast<int>(i % kOutRows);
-    const std::int64_t d = i / kOutRows;
-    As[r * layout.lda + d] =
-        m0 + r < a.m && d < a.h ? a.p[row_p[r] + d * a.plane] : __float2half_rn(0.0f);
+
+  // The tile of p and gate. A full tile of back-to-back rows arrives by cp.async, all at once;
+  // any other is read element by element.
+  const bool staged = contiguous_tile(m0, kOutRows, a.m, a.n, a.ldn);
+  if (staged) {
+    constexpr int kPieces = kOutRows / 8;  // of 16 bytes per channel
+    for (int i = tid; i < a.h * kPieces; i += kThreads) {
+      const int d = i / kPieces, piece = i % kPieces;
+      cp_async_16(p_stage + d * (kOutRows + 8) + piece * 8, a.p + row_p[0] + d * a.plane + piece * 8);
+    }
+    const int gate_pieces = static_cast<int>(kOutRows * a.h / 8);  // one contiguous block
+    for (int i = tid; i < gate_pieces; i += kThreads) {
+      cp_async_16(gate_stage + i * 8, a.gate + m0 * a.h + i * 8);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+  } else {
+    for (std::int64_t i = tid; i < kOutRows * a.h; i += kThreads) {
+      const int r = static_cast<int>(i % kOutRows);
+      const std::int64_t d = i / kOutRows;
+      const bool valid = m0 + r < a.m;
+      p_stage[d * (kOutRows + 8) + r] = valid ? a.p[row_p[r] + d * a.plane] : __float2half_rn(0.0f);
+      gate_stage[r * a.h + d] = valid ? a.gate[(m0 + r) * a.h + d] : __float2half_rn(0.0f);
+    }
   }
   __syncthreads();
-  // LayerNorm over H and the gate, a warp per row, in place.
+
+  // LayerNorm over H and the gate, a warp per row, into As (zeros past H and past the last row).
   const float inv_h = 1.0f / static_cast<float>(a.h);
+  const int h = static_cast<int>(a.h), hp = static_cast<int>(a.hp);
   for (int r = warp; r < kOutRows; r += kThreads / 32) {
-    const std::int64_t m = m0 + r;
-    if (m >= a.m) continue;
     __half* row = As + r * layout.lda;
+    if (m0 + r >= a.m) {
+      for (int d = lane; d < hp; d += 32) row[d] = __float2half_rn(0.0f);
+      continue;
+    }
+    const __half* p = p_stage + r;  // channel d at p[d * (kOutRows + 8)]
+    const __half* gate = gate_stage + r * h;
     float sum = 0.0f;
-    for (std::int64_t d = lane; d < a.h; d += 32) sum += __half2float(row[d]);
+    for (int d = lane; d < h; d += 32) sum += __half2float(p[d * (kOutRows + 8)]);
     const float mean = warp_sum(sum) * inv_h;
     float sq = 0.0f;
-    for (std::int64_t d = lane; d < a.h; d += 32) {
-      const float v = __half2float(row[d]) - mean;
+    for (int d = lane; d < h; d += 32) {
+      const float v = __half2float(p[d * (kOutRows + 8)]) - mean;
       sq += v * v;
     }
     const float rstd = rsqrtf(warp_sum(sq) * inv_h + a.eps);
-    const __half* gate = a.gate + m * a.h;
-    for (std::int64_t d = lane; d < a.h; d += 32) {
-      const float v = (__half2float(row[d]) - mean) * rstd * a.ln_weight[d] + a.ln_bias[d];
-      row[d] = __float2half_rn(v * __half2float(gate[d]));
+    for (int d = lane; d < hp; d += 32) {
+      float v = 0.0f;
+      if (d < h) {
+        v = (__half2float(p[d * (kOutRows + 8)]) - mean) * rstd * a.ln_weight[d] + a.ln_bias[d];
+        v *= __half2float(gate[d]);
+      }
+      row[d] = __float2half_rn(v);
     }
   }
+  __syncthreads();  // the stage is read before gemm_chunks' first weight slices overwrite it
 
   gemm_chunks<kOutMT, kOutNT>(
       As, layout.lda, Bs, a.wo, a.hp, a.chunks, static_cast<int>(a.hp / kKSlice),
@@ -551,17 +666,26 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
 
   // Kernel configurations first, so that an unsupported size fails before any work is queued.
   const int smem_limit = max_shared_bytes(device);
+  // The tallest projection tile that leaves room for two blocks per multiprocessor (one block's
+  // LayerNorm and stores overlap the other's matrix product), else the tallest that fits.
+  int smem_per_sm = 0;
+  FUSEKIT_CUDA_CHECK(
+      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   int project_mt = 0;
-  for (int mt : {4, 2, 1}) {
-    if (ProjectSmem(32 * mt, cp).bytes() <= static_cast<std::size_t>(smem_limit)) {
-      project_mt = mt;
-      break;
+  for (int pass = 0; pass < 2 && project_mt == 0; ++pass) {
+    for (int mt : {4, 2, 1}) {
+      const std::size_t bytes = ProjectSmem(32 * mt, cp).bytes();
+      const bool two = 2 * (bytes + 1024) <= static_cast<std::size_t>(smem_per_sm);
+      if (bytes <= static_cast<std::size_t>(smem_limit) && (two || pass == 1)) {
+        project_mt = mt;
+        break;
+      }
     }
   }
   FUSEKIT_CHECK(project_mt > 0, kOp, ": C = ", p.c, " is too large for the CUDA backend (a tile ",
                 "of 32 normalised rows needs ", ProjectSmem(32, cp).bytes(),
                 " bytes of shared memory; the device has ", smem_limit, ")");
-  const OutputSmem out_layout(hp);
+  const OutputSmem out_layout(hp, p.h);
   FUSEKIT_CHECK(out_layout.bytes() <= static_cast<std::size_t>(smem_limit), kOp, ": H = ", p.h,
                 " is too large for the CUDA backend (a tile of 64 rows of p needs ",
                 out_layout.bytes(), " bytes of shared memory; the device has ", smem_limit, ")");
@@ -606,6 +730,15 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
 
   ProjectArgs pa{};
   pa.x = p.x;
+  // Rows of x are copied by cp.async when every row is a 16-byte aligned multiple of 16 bytes.
+  const std::int64_t row_bytes = p.c * static_cast<std::int64_t>(sizeof(T));
+  pa.x_staged = row_bytes % 16 == 0 && is_aligned(p.x, 16) &&
+                std::all_of(p.x_stride, p.x_stride + 3,
+                            [](std::int64_t s) { return s * static_cast<std::int64_t>(sizeof(T)) % 16 == 0; });
+  const std::int64_t stage_rows =
+      static_cast<std::int64_t>(ProjectSmem(32 * project_mt, cp).x_stage_bytes()) / row_bytes / 8 * 8;
+  pa.x_group = static_cast<int>(std::min<std::int64_t>(stage_rows, 32 * project_mt));
+  if (pa.x_group < 8) pa.x_staged = false;
   pa.mask = p.mask;
   pa.mask_dtype = p.mask_dtype;
   for (int d = 0; d < 3; ++d) {
