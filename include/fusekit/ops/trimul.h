@@ -6,7 +6,7 @@
 //   gate  = sigmoid(xn @ out_gate^T)
 //   outgoing: p[b, i, j, d] = sum_k left[b, i, k, d] * right[b, j, k, d]
 //   incoming: p[b, i, j, d] = sum_k left[b, k, i, d] * right[b, k, j, d]
-//   out   = (LayerNorm_H(p) * to_out_norm_weight + to_out_norm_bias) * gate) @ to_out^T
+//   out   = ((LayerNorm_H(p) * to_out_norm_weight + to_out_norm_bias) * gate) @ to_out^T
 //
 // Arguments (B >= 0, N >= 0, C >= 1, H >= 1):
 //   out    [B, N, N, C]   x's dtype; the last axis contiguous, other strides any

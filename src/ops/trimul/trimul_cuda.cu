@@ -531,7 +531,7 @@ struct OutputSmem {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) output(OutputArgs a) {
+__global__ void __launch_bounds__(kThreads, 4) output(OutputArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const OutputSmem layout(a.hp, a.h);
   auto* As = reinterpret_cast<__half*>(smem + layout.a());
@@ -650,6 +650,9 @@ void launch_with_smem(Kernel kernel, std::int64_t blocks, std::size_t smem, cons
                       cudaStream_t stream, const char* name) {
   FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
+  // All of the unified L1/shared memory as shared memory: room for the blocks the registers allow.
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(args);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     throw_cuda_error(err, name, __FILE__, __LINE__);
