@@ -1,0 +1,509 @@
+// trimul on the CUDA backend: against the float64 reference for both directions, normal and
+// Cauchy inputs, every mask dtype, x in every dtype with float32 weights and weights in x's dtype,
+// awkward sizes, the model's channel counts and every layout; at large N against the CPU backend
+// on the same inputs. Outputs are poisoned and checked for writes outside their view. Also empty
+// inputs, bitwise determinism, streams and CUDA-graph capture. Every test skips with "no CUDA
+// device" where there is none.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "cuda_test_support.h"
+#include "trimul_support.h"
+
+namespace {
+
+using namespace fusekit_test;
+using fusekit::testing::upload;
+
+constexpr Device kCpu = Device::cpu();
+constexpr Device kCuda = Device::cuda(0);
+constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
+constexpr auto kIncoming = TrimulDirection::Incoming;
+constexpr auto kOutgoing = TrimulDirection::Outgoing;
+
+// ------------------------------------------------------------------------------------ checks
+
+// One CUDA call into a poisoned output, checked for writes outside out's view; then no error may
+// be left on the device.
+HostTensor run_cuda(const TrimulInputs& in, const TrimulCase& c, const TrimulLayouts& layouts = {}) {
+  HostTensor got = run_trimul_checked(in, c, kCuda, layouts);
+  expect_device_ok();
+  return got;
+}
+
+void expect_matches_float64(const HostTensor& got, const TrimulInputs& in, const TrimulCase& c,
+                            const std::string& what = "out against float64") {
+  const HostTensor expected = trimul_float64(in, c);
+  expect_close(got, expected, trimul_cuda_tolerance(c, expected), what);
+}
+
+void check_cuda(const TrimulCase& c, std::mt19937_64& rng, const TrimulLayouts& layouts = {}) {
+  const TrimulInputs in = make_trimul_inputs(c, rng);
+  expect_matches_float64(run_cuda(in, c, layouts), in, c);
+}
+
+// The CPU backend on the same inputs, run in float32 (x, out and weights; the mask as it is):
+// the inputs are already rounded to their dtypes, so float32 holds them exactly, and the CPU's
+// error against float64 (1e-5 of the output size) is far inside the CUDA bound, which therefore
+// applies to it unchanged. For the sizes where float64 would be too slow.
+HostTensor cpu_float32(const TrimulInputs& in, TrimulCase c) {
+  c.dtype = DType::Float32;
+  c.weight_dtype = DType::Float32;
+  return run_trimul_checked(in, c, kCpu);
+}
+
+void expect_matches_cpu(const HostTensor& got, const TrimulInputs& in, const TrimulCase& c,
+                        const std::string& what = "out against the CPU backend") {
+  const HostTensor expected = cpu_float32(in, c);
+  expect_close(got, expected, trimul_cuda_tolerance(c, expected), what);
+}
+
+// The two allocations hold the same bytes, padding and poison included.
+void expect_same_bytes(const DeviceTensor& got, const DeviceTensor& expected,
+                       const std::string& what) {
+  const std::vector<unsigned char> a = raw_bytes(got), b = raw_bytes(expected);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  std::size_t differ = 0, first = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.size()
+                        << " bytes differ, the first at byte " << first;
+}
+
+// Every byte of `t`'s allocation still holds the poison: nothing was written at all.
+void expect_untouched(const DeviceTensor& t, const std::string& what) {
+  std::size_t written = 0;
+  for (unsigned char byte : raw_bytes(t)) written += byte != 0xff;
+  EXPECT_EQ(written, 0u) << what << ": " << written << " bytes of " << t.view.describe()
+                         << " were written";
+}
+
+// Captures one call on `stream` (global mode) into `*graph`.
+void capture_trimul(const TrimulTensors& t, const TrimulCase& c, cudaStream_t stream,
+                    cudaGraph_t* graph) {
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    run_trimul(t, c, fusekit::Stream{stream});
+  } catch (const fusekit::Error& e) {
+    cudaStreamEndCapture(stream, graph);
+    if (*graph != nullptr) cudaGraphDestroy(*graph);
+    *graph = nullptr;
+    FAIL() << "capture failed: " << e.what();
+  }
+  ASSERT_CUDA(cudaStreamEndCapture(stream, graph));
+}
+
+const TrimulLayouts& layouts_named(std::string_view name) {
+  for (const TrimulLayoutCase& l : kTrimulLayouts) {
+    if (name == l.name) return l.layouts;
+  }
+  ADD_FAILURE() << "kTrimulLayouts has no layout named " << name;
+  return kTrimulLayouts[0].layouts;
+}
+
+// ------------------------------------------------------------------------------------ shapes
+
+// x's dtype and the weights' dtype: float32 weights with every x, and weights in x's dtype.
+struct DtypeCase {
+  DType x, weights;
+};
+
+const DtypeCase kDtypeCases[] = {
+    {DType::Float32, DType::Float32},   {DType::BFloat16, DType::Float32},
+    {DType::Float16, DType::Float32},   {DType::BFloat16, DType::BFloat16},
+    {DType::Float16, DType::Float16},
+};
+
+TrimulCase with_dtypes(TrimulCase c, const DtypeCase& d) {
+  c.dtype = d.x;
+  c.weight_dtype = d.weights;
+  return c;
+}
+
+// Both directions, batch 1 to 8, N of 1, 7, 12, 16, 20, 24 and 33, C of 1, 3, 4, 40, 64, 96 and
+// 1000 (beyond the model's 768), H of 1, 24, 40, 128 and 200 (above the model's 128), normal and
+// Cauchy inputs, with and without masks; most sizes fill no whole tile.
+//
+// The Frobenius bound holds where the float16 rounding errors average out over many outputs.
+// C = 1 (LayerNorm over one channel drops x: every output is the same value), C = 3 and H = 1
+// leave few independent outputs, so these sizes come only together (C of 1, 3 and 4 with H = 1),
+// where each output is a product of a few rounded factors. In a float16 model of the pipeline
+// the header describes, C = 1 or 3 with larger H, or H = 1 with C of 40 and more, exceed 1e-3 on
+// 1 to 15 percent of seeds.
+const TrimulCase kCases[] = {
+    {1, 1, 1, 1},
+    {8, 1, 96, 128, kIncoming, TrimulMask::Random},
+    {2, 7, 40, 24},
+    {2, 7, 40, 24, kIncoming, TrimulMask::Random},
+    {2, 12, 4, 1, kIncoming},
+    {2, 33, 3, 1, kOutgoing, TrimulMask::None, TrimulDist::Cauchy},
+    {2, 33, 40, 24, kOutgoing, TrimulMask::Random},
+    {2, 33, 40, 24, kIncoming, TrimulMask::Random, TrimulDist::Cauchy},
+    {2, 33, 40, 24, kOutgoing, TrimulMask::None, TrimulDist::Cauchy},
+    {2, 16, 64, 128, kOutgoing, TrimulMask::Random},
+    {1, 20, 96, 200, kIncoming, TrimulMask::None, TrimulDist::Cauchy},
+    {1, 24, 1000, 40, kOutgoing, TrimulMask::Random},
+};
+
+// kCases in every pair of dtypes.
+std::vector<TrimulCase> cases_in_every_dtype() {
+  std::vector<TrimulCase> cases;
+  for (const DtypeCase& d : kDtypeCases) {
+    for (const TrimulCase& c : kCases) cases.push_back(with_dtypes(c, d));
+  }
+  return cases;
+}
+
+class TrimulCuda : public CudaTest<::testing::TestWithParam<TrimulCase>> {};
+
+TEST_P(TrimulCuda, MatchesFloat64) { check_cuda(GetParam(), rng_); }
+
+INSTANTIATE_TEST_SUITE_P(All, TrimulCuda, ::testing::ValuesIn(cases_in_every_dtype()),
+                         [](const auto& info) { return trimul_case_name(info.param); });
+
+// The model's hidden size H = 128 with C of 128, 256, 384 and 768 at N of 32 to 64, in every x
+// dtype: outgoing with a mask, float32 weights; incoming without, Cauchy x, weights in x's dtype.
+class TrimulCudaModelShapes
+    : public CudaTest<::testing::TestWithParam<std::tuple<DType, std::int64_t>>> {};
+
+TEST_P(TrimulCudaModelShapes, MatchesFloat64) {
+  const auto [dtype, c] = GetParam();
+  for (const TrimulCase& k :
+       {TrimulCase{1, 64, c, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, dtype},
+        TrimulCase{2, 40, c, 128, kIncoming, TrimulMask::None, TrimulDist::Cauchy, dtype,
+                   dtype}}) {
+    SCOPED_TRACE(trimul_case_name(k));
+    check_cuda(k, rng_);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TrimulCudaModelShapes,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes),
+                                            ::testing::Values(128, 256, 384, 768)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_C" +
+                                  std::to_string(std::get<1>(info.param)) + "_H128";
+                         });
+
+// N of 128 to 512, against the CPU backend; two of them are shapes of the benchmark.
+const TrimulCase kLargeCases[] = {
+    {1, 128, 128, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, DType::BFloat16},
+    {2, 128, 128, 128, kIncoming, TrimulMask::None, TrimulDist::Cauchy, DType::Float16,
+     DType::Float16},
+    {1, 128, 384, 128, kIncoming, TrimulMask::Fractional, TrimulDist::Normal, DType::Float32},
+    {2, 256, 128, 128, kOutgoing, TrimulMask::None, TrimulDist::Normal, DType::Float32},
+    {1, 256, 384, 128, kIncoming, TrimulMask::Random, TrimulDist::Normal, DType::BFloat16,
+     DType::BFloat16},
+    {1, 512, 128, 128, kOutgoing, TrimulMask::None, TrimulDist::Normal, DType::Float32},
+};
+
+class TrimulCudaLargeN : public CudaTest<::testing::TestWithParam<TrimulCase>> {};
+
+TEST_P(TrimulCudaLargeN, MatchesCpuBackend) {
+  const TrimulCase& c = GetParam();
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  expect_matches_cpu(run_cuda(in, c), in, c);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TrimulCudaLargeN, ::testing::ValuesIn(kLargeCases),
+                         [](const auto& info) { return trimul_case_name(info.param); });
+
+// ------------------------------------------------------------------------------------ masks
+
+struct MaskCase {
+  TrimulMask mask;
+  DType dtype;  // of Random and Fractional masks
+};
+
+const MaskCase kMasks[] = {
+    {TrimulMask::Random, DType::Float32},      {TrimulMask::Random, DType::Float16},
+    {TrimulMask::Random, DType::BFloat16},     {TrimulMask::Bool, DType::Float32},
+    {TrimulMask::UInt8, DType::Float32},       {TrimulMask::Fractional, DType::Float32},
+    {TrimulMask::Fractional, DType::Float16},  {TrimulMask::Fractional, DType::BFloat16},
+};
+
+// Each mask in both directions.
+std::vector<TrimulCase> mask_cases() {
+  std::vector<TrimulCase> cases;
+  for (const MaskCase& m : kMasks) {
+    for (TrimulDirection direction : {kOutgoing, kIncoming}) {
+      TrimulCase c{2, 16, 64, 64, direction, m.mask};
+      c.mask_dtype = m.dtype;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+class TrimulCudaMasks : public CudaTest<::testing::TestWithParam<TrimulCase>> {};
+
+// Each mask dtype contiguous, padded, transposed and misaligned.
+TEST_P(TrimulCudaMasks, MatchesFloat64InEachLayout) {
+  for (const char* layout : {"contiguous", "padded", "permuted", "misaligned"}) {
+    SCOPED_TRACE(layout);
+    check_cuda(GetParam(), rng_, layouts_named(layout));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TrimulCudaMasks, ::testing::ValuesIn(mask_cases()),
+                         [](const auto& info) { return trimul_case_name(info.param); });
+
+// ------------------------------------------------------------------------------------ layouts
+
+class TrimulCudaLayouts
+    : public CudaTest<::testing::TestWithParam<std::tuple<DType, TrimulLayoutCase>>> {};
+
+TEST_P(TrimulCudaLayouts, MatchesFloat64) {
+  const auto [dtype, l] = GetParam();
+  const TrimulCase cases[] = {
+      // rows of C = 70: no whole 16-byte pieces, so x is read element by element
+      {2, 11, 70, 48, kIncoming, TrimulMask::Random, TrimulDist::Normal, dtype},
+      // rows of whole 16-byte pieces in whole tiles: the fast copies wherever the layout allows
+      {2, 16, 64, 40, kOutgoing, TrimulMask::UInt8, TrimulDist::Normal, dtype, dtype},
+      {1, 9, 40, 72, kOutgoing, TrimulMask::Bool, TrimulDist::Cauchy, dtype, dtype},
+  };
+  for (const TrimulCase& c : cases) {
+    SCOPED_TRACE(trimul_case_name(c));
+    check_cuda(c, rng_, l.layouts);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, TrimulCudaLayouts,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes),
+                                            ::testing::ValuesIn(kTrimulLayouts)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param).name;
+                         });
+
+// ------------------------------------------------------------------------------------ the rest
+
+class TrimulCudaMisc : public CudaTest<> {};
+
+TEST_F(TrimulCudaMisc, EmptyInputsWriteNothing) {
+  // B = 0 or N = 0: out (an allocation of poison, or a view of none) stays as it was, and a
+  // captured call enqueues no work at all.
+  for (const TrimulCase& c :
+       {TrimulCase{0, 5, 8, 4, kOutgoing, TrimulMask::Random},
+        TrimulCase{2, 0, 8, 4, kIncoming, TrimulMask::Bool},
+        TrimulCase{0, 0, 16, 8, kIncoming, TrimulMask::None, TrimulDist::Normal,
+                   DType::BFloat16}}) {
+    SCOPED_TRACE(trimul_case_name(c));
+    const TrimulInputs in = make_trimul_inputs(c, rng_);
+    const TrimulTensors t = upload_trimul(in, c, kCuda, {.out = {{}, 0, 2}});
+    EXPECT_NO_THROW(run_trimul(t, c));
+    expect_device_ok();
+    expect_untouched(t.out, "out");
+
+    OwnStream s;
+    cudaGraph_t graph = nullptr;
+    ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+    std::size_t nodes = 0;
+    ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
+    EXPECT_EQ(nodes, 0u) << "an empty call enqueued work";
+    ASSERT_CUDA(cudaGraphDestroy(graph));
+  }
+}
+
+TEST_F(TrimulCudaMisc, BitwiseDeterministic) {
+  for (DType dtype : kDtypes) {
+    for (const TrimulCase& k :
+         {TrimulCase{2, 40, 128, 128, kIncoming, TrimulMask::Random},
+          TrimulCase{1, 160, 256, 128, kOutgoing, TrimulMask::None, TrimulDist::Cauchy}}) {
+      const TrimulCase c = with_dtype(k, dtype);
+      SCOPED_TRACE(trimul_case_name(c));
+      const TrimulInputs in = make_trimul_inputs(c, rng_);
+      const TrimulTensors a = upload_trimul(in, c, kCuda);
+      const TrimulTensors b = upload_trimul(in, c, kCuda);
+      run_trimul(a, c);
+      run_trimul(b, c);
+      run_trimul(b, c);
+      expect_device_ok();
+      expect_same_bytes(b.out, a.out, "out of a second and third run against the first");
+      // two runs that wrote nothing would agree too
+      expect_matches_cpu(download_trimul(a), in, c);
+    }
+  }
+}
+
+TEST_F(TrimulCudaMisc, RunsOnTheGivenStream) {
+  const TrimulCase c{2, 48, 128, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal,
+                     DType::BFloat16};
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const TrimulTensors on_default = upload_trimul(in, c, kCuda);
+  const TrimulTensors on_stream = upload_trimul(in, c, kCuda);
+  run_trimul(on_default, c);
+  OwnStream s;
+  expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
+  run_trimul(on_stream, c, s.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+  expect_device_ok();
+  expect_only_view_written(on_stream.out, "out");
+  expect_matches_float64(download_trimul(on_stream), in, c);
+  expect_same_bytes(on_stream.out, on_default.out, "out on its own stream against the default");
+}
+
+TEST_F(TrimulCudaMisc, EpsIsUsed) {
+  // eps 0.5 against x and p of unit size: a result far from that of eps 1e-5 (the CUDA backend
+  // normalises p / N, with eps / N^2)
+  TrimulCase c{2, 16, 64, 64, kIncoming, TrimulMask::Random};
+  c.eps = 0.5;
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const HostTensor got = run_cuda(in, c);
+  expect_matches_float64(got, in, c);
+  TrimulCase default_eps = c;
+  default_eps.eps = 1e-5;
+  const HostTensor other = trimul_float64(in, default_eps);
+  const Comparison far =
+      fusekit::testing::compare(got, other, trimul_cuda_tolerance(default_eps, other));
+  EXPECT_FALSE(far.ok) << "eps 0.5 gave the result of eps 1e-5: " << far.message;
+}
+
+TEST_F(TrimulCudaMisc, MaskedOutRowsGiveTheBias) {
+  // A mask of zeros: left and right are 0, so p is 0, LayerNorm_H(p) = to_out_norm_bias, and
+  // out = (to_out_norm_bias * gate) @ to_out^T, whatever the direction.
+  for (TrimulDirection direction : {kOutgoing, kIncoming}) {
+    TrimulCase c{1, 20, 24, 40, direction, TrimulMask::Bool};
+    TrimulInputs in = make_trimul_inputs(c, rng_);
+    std::fill(in.mask.values.begin(), in.mask.values.end(), 0.0);
+    expect_matches_float64(run_cuda(in, c), in, c, "all masked, " + trimul_case_name(c));
+  }
+}
+
+TEST_F(TrimulCudaMisc, BroadcastInputs) {
+  // x with stride 0 over B (both batches the same rows) and the mask with stride 0 over i
+  // (mask[b, i, j] = m[b, j]): inputs may share addresses; only out may not.
+  const TrimulCase c{2, 16, 48, 32, kIncoming, TrimulMask::Fractional};
+  TrimulInputs in = make_trimul_inputs(c, rng_);
+  const std::int64_t n = c.n, row = n * n * c.c;
+  for (std::int64_t k = 0; k < row; ++k) in.x.values[row + k] = in.x.values[k];
+  for (std::int64_t b = 0; b < c.b; ++b) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) in.mask.at({b, i, j}) = in.mask.at({b, 0, j});
+    }
+  }
+  TrimulTensors t = upload_trimul(in, c, kCuda);
+  HostTensor x_one = in.x, mask_rows({c.b, n});
+  x_one.shape[0] = 1;
+  x_one.values.resize(row);
+  for (std::int64_t b = 0; b < c.b; ++b) {
+    for (std::int64_t j = 0; j < n; ++j) mask_rows.at({b, j}) = in.mask.at({b, 0, j});
+  }
+  const DeviceTensor x_shared = upload(x_one, c.dtype, kCuda);
+  const DeviceTensor mask_shared = upload(mask_rows, DType::Float32, kCuda);
+  t.x.view = x_shared.view;
+  t.x.view.shape[0] = c.b;
+  t.x.view.strides[0] = 0;
+  t.mask.view = TensorView(mask_shared.view.data, DType::Float32, {c.b, n, n}, {n, 0, 1}, kCuda);
+  run_trimul(t, c);
+  expect_device_ok();
+  expect_only_view_written(t.out, "out");
+  expect_matches_float64(download_trimul(t), in, c);
+}
+
+TEST_F(TrimulCudaMisc, MixedDevicesAreRejected) {
+  const TrimulCase c{1, 4, 8, 6, kOutgoing, TrimulMask::Random};
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const TrimulTensors gpu = upload_trimul(in, c, kCuda);
+  const TrimulTensors cpu = upload_trimul(in, c, kCpu);
+  fusekit::TrimulWeights w = gpu.weights.views();
+  w.to_out = cpu.weights.to_out.view;
+  EXPECT_ERROR_CONTAINS("trimul: to_out is on cpu but x is on cuda:0; expected one device",
+                        [&] { fusekit::trimul(gpu.out.view, gpu.x.view, gpu.mask.view, w); });
+  EXPECT_ERROR_CONTAINS("trimul: mask is on cpu but x is on cuda:0; expected one device", [&] {
+    fusekit::trimul(gpu.out.view, gpu.x.view, cpu.mask.view, gpu.weights.views());
+  });
+  expect_device_ok();
+  expect_untouched(gpu.out, "out");  // nothing was launched
+}
+
+// ------------------------------------------------------------------------------------ graphs
+
+class TrimulCudaGraph : public CudaTest<::testing::TestWithParam<DType>> {};
+
+TEST_P(TrimulCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
+  const TrimulCase c{2, 40, 128, 128, kIncoming, TrimulMask::Random, TrimulDist::Normal,
+                     GetParam()};
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const TrimulTensors direct = upload_trimul(in, c, kCuda);
+  TrimulTensors t = upload_trimul(in, c, kCuda);
+  run_trimul(direct, c);
+  expect_device_ok();
+  expect_only_view_written(direct.out, "out of the direct call");
+
+  OwnStream s;
+  expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
+  cudaGraph_t graph = nullptr;
+  ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+  expect_untouched(t.out, "out after the capture (nothing runs while capturing)");
+
+  std::size_t count = 0;
+  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  ASSERT_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
+  int kernels = 0, allocs = 0, frees = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    ASSERT_CUDA(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel;
+    allocs += type == cudaGraphNodeTypeMemAlloc;
+    frees += type == cudaGraphNodeTypeMemFree;
+  }
+  EXPECT_GT(kernels, 0) << "no kernel was captured";
+  EXPECT_EQ(allocs, frees) << "every workspace taken in the graph is given back in it";
+
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    t.out.buffer.fill_bytes(0xff);  // fresh poison: every replay writes every element again
+    expect_device_ok();             // the poison (legacy stream) is in place: s does not wait
+    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
+    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+    expect_device_ok();
+    expect_same_bytes(t.out, direct.out, "out of the replay against the direct call");
+  }
+  expect_matches_float64(download_trimul(t), in, c, "out of the replays against float64");
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TrimulCudaGraph, ::testing::ValuesIn(kDtypes),
+                         [](const auto& info) { return dtype_name(info.param); });
+
+TEST_F(TrimulCudaMisc, CapturedBeforeAnyDirectCallOfItsShape) {
+  // A shape no other test uses, captured before it ever ran: what the call sets up on the first
+  // run of a shape (the pairwise product's algorithm) must work under capture too.
+  const TrimulCase c{1, 27, 48, 40, kOutgoing, TrimulMask::UInt8, TrimulDist::Normal,
+                     DType::Float16};
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const TrimulTensors direct = upload_trimul(in, c, kCuda);
+  const TrimulTensors t = upload_trimul(in, c, kCuda);
+  OwnStream s;
+  expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
+  cudaGraph_t graph = nullptr;
+  ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
+  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+  expect_device_ok();
+  run_trimul(direct, c);
+  expect_device_ok();
+  expect_only_view_written(t.out, "out of the replay");
+  expect_same_bytes(t.out, direct.out, "out of the replay against a direct call made after it");
+  expect_matches_float64(download_trimul(t), in, c);
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+}
+
+}  // namespace
