@@ -239,16 +239,15 @@ struct ProjectSmem {
   __host__ __device__ std::size_t x_stage_bytes() const { return row_base() - b(); }
 };
 
-// LayerNorm_C of one row into shared memory as float16 (zeros past C), by one warp. A row in
-// global memory of at most kCachedC values is read once into registers; a row already in shared
-// memory (FROM_SHARED) is read three times from there.
-template <bool FROM_SHARED, typename T>
+// LayerNorm_C of one row of x in global memory into shared memory as float16 (zeros past C), by
+// one warp. A row of at most kCachedC values is read once into registers, a longer one three times.
+template <typename T>
 __device__ __forceinline__ void normalise_row(const T* x, int c, int cp, const float* w,
                                               const float* bias, float eps, __half* dst) {
   const int lane = threadIdx.x & 31;
   const float shift = to_float(x[0]);  // sums of x - x[0]: no digits lost to a large mean
   const float inv_c = 1.0f / static_cast<float>(c);
-  if (!FROM_SHARED && c <= kCachedC) {
+  if (c <= kCachedC) {
     float v[kCachedC / 32];
 #pragma unroll
     for (int t = 0; t < kCachedC / 32; ++t) {
@@ -284,6 +283,73 @@ __device__ __forceinline__ void normalise_row(const T* x, int c, int cp, const f
   const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
   for (int q = lane; q < cp; q += 32) {
     dst[q] = __float2half_rn(q < c ? (to_float(x[q]) - shift - mean) * rstd * w[q] + bias[q] : 0.0f);
+  }
+}
+
+// Four consecutive values of T from shared memory (16 bytes of float32, 8 of a 16-bit type).
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+  } else {
+    union {
+      uint2 raw;
+      T e[4];
+    } u;
+    u.raw = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = to_float(u.e[i]);
+  }
+}
+
+// The same for a row staged in shared memory (C a multiple of 4, 16-byte aligned), read three times
+// from there, four values per lane and access.
+template <typename T>
+__device__ __forceinline__ void normalise_staged_row(const T* x, int c, int cp, const float* w,
+                                                     const float* bias, float eps, __half* dst) {
+  const int lane = threadIdx.x & 31;
+  const float shift = to_float(x[0]);
+  const float inv_c = 1.0f / static_cast<float>(c);
+  float sum = 0.0f;
+  for (int q = lane * 4; q < c; q += 128) {
+    float v[4];
+    load4(x + q, v);
+    sum += ((v[0] - shift) + (v[1] - shift)) + ((v[2] - shift) + (v[3] - shift));
+  }
+  const float mean = warp_sum(sum) * inv_c;
+  float sq = 0.0f;
+  for (int q = lane * 4; q < c; q += 128) {
+    float v[4];
+    load4(x + q, v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float d = v[i] - shift - mean;
+      sq += d * d;
+    }
+  }
+  const float rstd = rsqrtf(warp_sum(sq) * inv_c + eps);
+  for (int q = lane * 4; q < cp; q += 128) {
+    union {
+      uint2 raw;
+      __half e[4];
+    } u;
+    if (q < c) {
+      float v[4];
+      load4(x + q, v);
+      const float4 wq = *reinterpret_cast<const float4*>(w + q);
+      const float4 bq = *reinterpret_cast<const float4*>(bias + q);
+      u.e[0] = __float2half_rn((v[0] - shift - mean) * rstd * wq.x + bq.x);
+      u.e[1] = __float2half_rn((v[1] - shift - mean) * rstd * wq.y + bq.y);
+      u.e[2] = __float2half_rn((v[2] - shift - mean) * rstd * wq.z + bq.z);
+      u.e[3] = __float2half_rn((v[3] - shift - mean) * rstd * wq.w + bq.w);
+    } else {
+      u.raw = make_uint2(0, 0);
+    }
+    *reinterpret_cast<uint2*>(dst + q) = u.raw;
   }
 }
 
@@ -356,8 +422,8 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
       __syncthreads();
       for (int r = warp; r < rows; r += kThreads / 32) {
         if (m0 + g0 + r < a.m) {
-          normalise_row<true>(xs + r * c, c, static_cast<int>(a.cp), a.ln_weight, a.ln_bias,
-                              a.eps, As + (g0 + r) * layout.lda);
+          normalise_staged_row(xs + r * c, c, static_cast<int>(a.cp), a.ln_weight, a.ln_bias,
+                               a.eps, As + (g0 + r) * layout.lda);
         } else {
           zero_row(g0 + r);
         }
@@ -367,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
   } else {
     for (int r = warp; r < kRows; r += kThreads / 32) {
       if (m0 + r < a.m) {
-        normalise_row<false>(x + row_x[r], static_cast<int>(a.c), static_cast<int>(a.cp),
+        normalise_row(x + row_x[r], static_cast<int>(a.c), static_cast<int>(a.cp),
                              a.ln_weight, a.ln_bias, a.eps, As + r * layout.lda);
       } else {
         zero_row(r);
@@ -393,7 +459,10 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
             const float right = acc[mt][kRightProj][e] * mk * sigmoid(acc[mt][kRightGate][e]);
             stage_left[dl * (kRows + 8) + r] = __float2half_rn(left);
             stage_right[dl * (kRows + 8) + r] = __float2half_rn(right);
-            stage_gate[r * (kChunkD + 8) + dl] = __float2half_rn(sigmoid(acc[mt][kOutGate][e]));
+            if (e % 2 == 0) {  // channels dl and dl + 1 of row r, side by side
+              *reinterpret_cast<__half2*>(stage_gate + r * (kChunkD + 8) + dl) = __floats2half2_rn(
+                  sigmoid(acc[mt][kOutGate][e]), sigmoid(acc[mt][kOutGate][e + 1]));
+            }
           }
         }
         __syncthreads();
