@@ -26,7 +26,7 @@ enum class TrimulMask {
   None,        // no mask argument
   Random,      // 0 or 1 with equal odds, in mask_dtype
   Bool,        // 0 or 1 with equal odds, as bool
-  UInt8,       // 0 or 1 with equal odds, as uint8
+  UInt8,       // 0, 1 or 2 with equal odds, as uint8 (the value multiplies the row)
   Fractional,  // uniform in [0, 1), in mask_dtype
 };
 
@@ -175,8 +175,13 @@ inline TrimulInputs make_trimul_inputs(const TrimulCase& c, std::mt19937_64& rng
     in.mask = HostTensor({c.b, c.n, c.n});
     std::uniform_real_distribution<double> uniform(0.0, 1.0);
     std::bernoulli_distribution coin(0.5);
+    std::uniform_int_distribution<int> small_count(0, 2);
     for (double& v : in.mask.values) {
-      v = c.mask == TrimulMask::Fractional ? uniform(rng) : coin(rng);
+      switch (c.mask) {
+        case TrimulMask::Fractional: v = uniform(rng); break;
+        case TrimulMask::UInt8: v = small_count(rng); break;
+        default: v = coin(rng); break;
+      }
     }
     if (mask_dtype_of(c) != DType::Bool && mask_dtype_of(c) != DType::UInt8) {
       round_to(in.mask, mask_dtype_of(c));
@@ -313,6 +318,9 @@ inline HostTensor run_trimul_checked(const TrimulInputs& in, const TrimulCase& c
                                      const TrimulLayouts& layouts = {},
                                      fusekit::Stream stream = {}) {
   const TrimulTensors t = upload_trimul(in, c, device, layouts);
+  // The uploads and the poison went through the legacy stream; a non-blocking `stream` is not
+  // ordered after them.
+  fusekit::detail::synchronize(device);
   run_trimul(t, c, stream);
   fusekit::detail::synchronize(device);
   expect_only_view_written(t.out, "out");
@@ -353,12 +361,21 @@ inline Tolerance trimul_cpu_tolerance(const TrimulCase& c, const HostTensor& exp
   return {2e-5 * scale, u, u + 4e-6 * cancel};
 }
 
+/// How much noisier the Frobenius error is for tiny C * H than at the model's sizes: below 256
+/// products per output the error is an average over a handful of roundings (with C = 1 every
+/// output is the same sum), and a fixed bound fails a few runs in a hundred without any defect.
+/// 1 from C * H = 256 up, so every shape the issue names keeps its 1e-3.
+inline double trimul_few_products(const TrimulCase& c) {
+  return std::sqrt(std::max(1.0, 256.0 / static_cast<double>(c.c * c.h)));
+}
+
 /// The bound the CUDA backend is held to against float64, float16 tensor cores throughout:
-/// relative Frobenius error 1e-3 (times the cancellation factor) and every element within
-/// atol = rtol = 2e-2, plus, for float16 and bfloat16 outputs, their rounding (relative u).
+/// relative Frobenius error 1e-3 (times the cancellation and few-products factors) and every
+/// element within atol = rtol = 2e-2, plus, for float16 and bfloat16 outputs, their rounding
+/// (relative u).
 inline Tolerance trimul_cuda_tolerance(const TrimulCase& c, const HostTensor& expected) {
   const double u = c.dtype == DType::Float32 ? 0.0 : unit_roundoff(c.dtype);
-  return {2e-2, 2e-2 + u, 1e-3 * trimul_cancellation(c, expected) + u};
+  return {2e-2, 2e-2 + u, 1e-3 * trimul_cancellation(c, expected) * trimul_few_products(c) + u};
 }
 
 }  // namespace fusekit_test

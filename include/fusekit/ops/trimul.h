@@ -12,7 +12,8 @@
 //   out    [B, N, N, C]   x's dtype; the last axis contiguous, other strides any
 //   x      [B, N, N, C]   float32, float16 or bfloat16; the last axis contiguous, other strides any
 //   mask   [B, N, N] or none (an empty TensorView: no data, no dims): float32, float16, bfloat16,
-//          bool or uint8 (0 or 1; fractional values scale the row); any strides
+//          bool or uint8; its value multiplies the row, as mask.to(float) would (normally 0
+//          or 1; fractional values scale the row); any strides
 //   weights: the module's parameters (names as in the reference PyTorch module), each float32 or
 //          x's dtype, any strides:
 //          norm_weight, norm_bias [C]; left_proj, right_proj, left_gate, right_gate, out_gate

@@ -71,7 +71,8 @@ __device__ __forceinline__ float load_mask(const void* mask, DType dtype, std::i
     case DType::Float32: return static_cast<const float*>(mask)[offset];
     case DType::Float16: return __half2float(static_cast<const __half*>(mask)[offset]);
     case DType::BFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(mask)[offset]);
-    default: return static_cast<const std::uint8_t*>(mask)[offset] != 0 ? 1.0f : 0.0f;
+    case DType::UInt8: return static_cast<float>(static_cast<const std::uint8_t*>(mask)[offset]);
+    default: return static_cast<const std::uint8_t*>(mask)[offset] != 0 ? 1.0f : 0.0f;  // bool
   }
 }
 
