@@ -4,6 +4,7 @@
     out = fusekit.mhc_post(x, residual, post_layer_mix, comb_res_mix)
     y = fusekit.layernorm_linear_gelu(x, weight, bias, ln_weight=gamma, ln_bias=beta)
     z = fusekit.trimul(pair, mask, module.state_dict(), direction="incoming")
+    o = fusekit.causal_attention(q, k, v, n_padd)
 
 Arrays are torch tensors or numpy arrays, all of one framework. They reach the C++ library as they
 are: any strides, no copy, no dtype cast, no device move. The library validates them and raises
@@ -22,6 +23,7 @@ include/fusekit/ops/<op>.h.
 """
 
 from collections.abc import Mapping as _Mapping
+from operator import index as _index
 
 try:  # torch first: its CUDA runtime library then also serves the extension module
     import torch as _torch
@@ -39,6 +41,7 @@ __version__ = build_info()["version"]
 __all__ = [
     "Error",
     "build_info",
+    "causal_attention",
     "cuda_device_count",
     "cuda_device_info",
     "layernorm_linear_gelu",
@@ -359,3 +362,80 @@ def _trimul_weights_error(weights):
     extra = [k for k in weights if k not in _TRIMUL_KEYS]
     return Error(f"trimul: weights has the unexpected key{'s' if len(extra) > 1 else ''} "
                  f"{', '.join(map(repr, extra))}; {expected}")
+
+
+# ---------------------------------------------------------------------------- causal_attention
+
+
+def causal_attention(q, k, v, n_padd=0, *, scale=None, out=None, return_lse=False,
+                     allow_tf32=False):
+    """Causal self-attention over left-padded sequences, forward: query i of sequence b attends
+    keys j with n_padd[b] <= j <= i,
+
+        out[b, h, i] = softmax_j(scale * q[b, h, i] . k[b, g, j]) @ v[b, g, j]   i >= n_padd[b]
+        out[b, h, i] = 0                                                        i <  n_padd[b]
+        lse[b, h, i] = log sum_j exp(scale * q[b, h, i] . k[b, g, j])  (-inf where i < n_padd[b])
+
+    with g = h // (H // Hkv), the key/value head of query head h (grouped-query attention).
+
+    q [B, H, T, D] in float32, float16 or bfloat16; k and v [B, Hkv, T, D] in q's dtype, Hkv
+    dividing H; or all three [T, D], a single head. Any strides with a unit stride on D; nothing
+    is copied (any other layout raises fusekit.Error). n_padd is an int, the same count for every
+    sequence, or an int32 array [B] (torch.Tensor on the inputs' device, or numpy.ndarray), one
+    count per sequence; each count in [0, T]. Other integer dtypes raise fusekit.Error rather
+    than being converted. (The library's messages call the two padding.all and
+    padding.per_sequence, as the C++ API does.) scale defaults to 1 / sqrt(D); allow_tf32 lets
+    float32 products use TF32 tensor cores on CUDA.
+
+    Returns out in q's shape and dtype, or (out, lse) with return_lse, lse float32 [B, H, T]
+    (or [T]). Padding rows of out are zeros, and padding keys, values and queries are never read.
+    If `out` is given it is written and returned; its D axis must be contiguous and it must not
+    overlap an input. Forward only: autograd records the call, but backpropagating through it
+    raises fusekit.Error. See include/fusekit/ops/causal_attention.h.
+    """
+    if type(n_padd) is int:
+        per_sequence = None
+    else:
+        n_padd, per_sequence = _left_padding(n_padd)
+    if _direct_torch_call((q, k, v, per_sequence, out)):
+        if out is None:
+            out = _empty(q)
+        lse = q.new_empty(q.shape[:-1], dtype=_torch.float32) if return_lse else None
+        _C.causal_attention(_dl(out), None if lse is None else _dl(lse), _dl(q), _dl(k), _dl(v),
+                            n_padd, None if per_sequence is None else _dl(per_sequence), scale,
+                            allow_tf32, _stream(q))
+        return (out, lse) if return_lse else out
+
+    names, arrays = ["q", "k", "v"], [q, k, v]
+    if per_sequence is not None:
+        names.append("n_padd")
+        arrays.append(per_sequence)
+    kind = _framework("causal_attention", names, arrays)
+    if out is not None:
+        _check_out("causal_attention", out, kind, q)
+    if kind is _Tensor:
+        out, lse = _ops.call_causal_attention(q, k, v, n_padd, per_sequence, scale, allow_tf32,
+                                              out)
+        return (out, lse) if return_lse else out
+    if out is None:
+        out = _np.empty(q.shape, dtype=q.dtype)
+    lse = _np.empty(q.shape[:-1], dtype=_np.float32) if return_lse else None
+    _C.causal_attention(out, lse, q, k, v, n_padd, per_sequence, scale, allow_tf32, 0)
+    return (out, lse) if return_lse else out
+
+
+def _left_padding(n_padd):
+    """(count, per_sequence) of an n_padd argument: an integer is one count for all sequences
+    (count, None); an array is one count per sequence (0, array), checked by the library."""
+    if (_Tensor is not None and isinstance(n_padd, _Tensor)) or (
+            _ndarray is not None and isinstance(n_padd, _ndarray)):
+        return 0, n_padd
+    if _torch is not None and isinstance(n_padd, _torch.SymInt):  # traced by a compiler
+        return n_padd, None
+    if not isinstance(n_padd, bool):
+        try:
+            return _index(n_padd), None
+        except TypeError:
+            pass
+    raise Error(f"causal_attention: n_padd is a {_type_name(n_padd)}, expected an int or an "
+                "int32 array [B] (torch.Tensor or numpy.ndarray)")

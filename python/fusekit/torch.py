@@ -8,6 +8,8 @@
     torch.ops.fusekit.trimul(x, mask, norm_weight, norm_bias, left_proj, right_proj, left_gate,
                              right_gate, out_gate, to_out_norm_weight, to_out_norm_bias, to_out,
                              direction="outgoing", eps=1e-5) -> out
+    torch.ops.fusekit.causal_attention(q, k, v, n_padd=0, n_padd_per_sequence=None, scale=None,
+                                       allow_tf32=False) -> (out, lse)
 
 and the modules LayerNormLinearGELU and TriangleMultiplication, which call
 fusekit.layernorm_linear_gelu and fusekit.trimul.
@@ -16,8 +18,8 @@ fusekit.layernorm_linear_gelu and fusekit.trimul.
 (contiguous) on the inputs' device and runs the C++ library on the current stream of that device.
 The fake implementations give the same shapes, dtypes and strides without running anything, so
 torch.compile and torch.export trace through them. The autograd formula of mhc_post is its
-backward op; layernorm_linear_gelu and trimul are forward only, and backpropagating through them
-raises fusekit.Error.
+backward op; layernorm_linear_gelu, trimul and causal_attention are forward only, and
+backpropagating through them raises fusekit.Error.
 """
 
 import math
@@ -34,6 +36,7 @@ from . import _C
 __all__ = [
     "LayerNormLinearGELU",
     "TriangleMultiplication",
+    "causal_attention",
     "layernorm_linear_gelu",
     "mhc_post",
     "mhc_post_backward",
@@ -382,3 +385,64 @@ class TriangleMultiplication(torch.nn.Module):
     def extra_repr(self):
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, direction={self.direction!r}, "
                 f"eps={self.eps}")
+
+
+# ---------------------------------------------------------------------------- causal_attention
+
+
+def _lse_empty(q):
+    """The float32 log-sum-exp [B, H, T] (or [T]) of q's rows, on q's device."""
+    return q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fusekit::causal_attention", mutates_args=())
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, n_padd: int = 0,
+                     n_padd_per_sequence: Optional[Tensor] = None, scale: Optional[float] = None,
+                     allow_tf32: bool = False) -> tuple[Tensor, Tensor]:
+    """Causal self-attention over left-padded sequences, forward only: (out, lse) of q [B, H, T, D]
+    and k, v [B, Hkv, T, D] (or all [T, D]), padded by n_padd tokens, or by the int32 counts
+    n_padd_per_sequence [B] when given. lse is float32 [B, H, T], always computed (it costs one
+    float per row)."""
+    out, lse = _empty(q), _lse_empty(q)
+    _C.causal_attention(_dl(out), _dl(lse), _dl(q), _dl(k), _dl(v), n_padd,
+                        _dl_optional(n_padd_per_sequence), scale, allow_tf32, _stream(q))
+    return out, lse
+
+
+@causal_attention.register_fake
+def _causal_attention_fake(q, k, v, n_padd=0, n_padd_per_sequence=None, scale=None,
+                           allow_tf32=False):
+    return _empty(q), _lse_empty(q)
+
+
+def _causal_attention_setup_context(ctx, inputs, output):
+    pass  # nothing to save: the backward only reports that there is none
+
+
+def _causal_attention_autograd(ctx, grad_out, grad_lse):
+    raise _C.Error("causal_attention: backward was called, but the operator is forward only; "
+                   "expected it under torch.no_grad() or torch.inference_mode(), or on tensors "
+                   "that do not require grad")
+
+
+# Registered for the same reason as layernorm_linear_gelu's: autograd records the call, and
+# backward fails with this message.
+causal_attention.register_autograd(_causal_attention_autograd,
+                                   setup_context=_causal_attention_setup_context)
+
+
+def call_causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32, out=None):
+    """fusekit.causal_attention through the op, for autograd, compilers and tensor subclasses:
+    (out, lse). `out` is filled by a copy, which a compiler can fuse; it is refused when autograd
+    records the call."""
+    if out is None:
+        return causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32)
+    if torch.is_grad_enabled():
+        for t in (q, k, v, out):
+            if t.requires_grad:
+                raise _C.Error("causal_attention: out= was given while autograd records the call "
+                               "(a tensor requires grad); expected out=None under autograd")
+    result, lse = causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32)
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise _C.Error(f"causal_attention: out is {_describe(out)}, expected {_describe(result)}")
+    return out.copy_(result), lse

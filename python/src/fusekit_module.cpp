@@ -7,9 +7,11 @@
 // GIL, and fusekit::Error surfaces as fusekit.Error (a RuntimeError) with the library's message.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "fusekit/fusekit.h"
@@ -159,9 +161,11 @@ void mhc_post_backward(const OutArray& grad_x, const OutArray& grad_residual,
 
 // ------------------------------------------------------------------------- layernorm_linear_gelu
 
-// An optional input: None arrives as an invalid ndarray and becomes the empty TensorView that
+// An optional array: None arrives as an invalid ndarray and becomes the empty TensorView that
 // the C++ API reads as "not given".
-fusekit::TensorView to_optional_view(const InArray& a, const char* op, const char* arg) {
+template <typename... Ts>
+fusekit::TensorView to_optional_view(const nb::ndarray<Ts...>& a, const char* op,
+                                     const char* arg) {
   return a.is_valid() ? to_view(a, op, arg) : fusekit::TensorView{};
 }
 
@@ -214,6 +218,28 @@ void trimul(const OutArray& out, const InArray& x, const InArray& mask, const In
   options.eps = eps;
   nb::gil_scoped_release release;
   fusekit::trimul(v_out, v_x, v_mask, weights, options, to_stream(stream));
+}
+
+// ---------------------------------------------------------------------------- causal_attention
+
+void causal_attention(const OutArray& out, const OutArray& lse, const InArray& q,
+                      const InArray& k, const InArray& v, std::int64_t n_padd,
+                      const InArray& n_padd_per_sequence, std::optional<double> scale,
+                      bool allow_tf32, std::uintptr_t stream) {
+  constexpr const char* op = "causal_attention";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_lse = to_optional_view(lse, op, "lse");
+  const fusekit::TensorView v_q = to_view(q, op, "q");
+  const fusekit::TensorView v_k = to_view(k, op, "k");
+  const fusekit::TensorView v_v = to_view(v, op, "v");
+  fusekit::LeftPadding padding;
+  padding.all = n_padd;
+  padding.per_sequence = to_optional_view(n_padd_per_sequence, op, "padding.per_sequence");
+  fusekit::CausalAttentionOptions options;
+  options.scale = scale;
+  options.allow_tf32 = allow_tf32;
+  nb::gil_scoped_release release;
+  fusekit::causal_attention(v_out, v_lse, v_q, v_k, v_v, padding, options, to_stream(stream));
 }
 
 // ------------------------------------------------------------------------------------ runtime
@@ -280,6 +306,17 @@ NB_MODULE(_C, m) {
         "[B, N, N] may be None. The weights are the module's parameters, named as in "
         "fusekit::TrimulWeights. `stream` is a cudaStream_t as an int (0: the legacy default "
         "stream; ignored on the CPU).");
+
+  m.def("causal_attention", &causal_attention, "out"_a.noconvert(), "lse"_a.noconvert().none(),
+        "q"_a.noconvert(), "k"_a.noconvert(), "v"_a.noconvert(), "n_padd"_a,
+        "n_padd_per_sequence"_a.noconvert().none(), "scale"_a.none(), "allow_tf32"_a, "stream"_a,
+        "Causal self-attention over left-padded sequences, written into `out` [B, H, T, D] and, "
+        "unless it is None, `lse` [B, H, T] (float32); q [B, H, T, D], k and v [B, Hkv, T, D], or "
+        "all without B and H (see include/fusekit/ops/causal_attention.h). Every sequence is "
+        "padded by `n_padd` tokens, or by its entry of `n_padd_per_sequence` (int32 [B]) when "
+        "that is given. `scale` None means 1 / sqrt(D); allow_tf32 lets float32 products use "
+        "TF32. `stream` is a cudaStream_t as an int (0: the legacy default stream; ignored on "
+        "the CPU).");
 
   m.def("build_info", &build_info,
         "What this build contains: version, with_cuda, cuda_architectures, with_openmp.");

@@ -69,3 +69,74 @@ def layernorm_linear_gelu_abs(x, weight, bias=None, ln_weight=None, ln_bias=None
         terms = terms + ln_bias.double().abs()
     out = terms @ weight.double().abs().mT
     return out if bias is None else out + bias.double().abs()
+
+
+def causal_attention_mask(t, n_padd, device=None):
+    """keep [B or 1, 1, T, T], True where query i may attend key j: n_padd[b] <= j <= i. n_padd is
+    an int or a tensor [B]."""
+    pad = torch.as_tensor(n_padd, device=device).reshape(-1, 1, 1, 1)
+    i = torch.arange(t, device=device)[:, None]  # query
+    j = torch.arange(t, device=device)[None, :]  # key
+    return (j <= i) & (j >= pad)
+
+
+def _attention_heads(q, k, v):
+    """q [B, H, T, D] and k, v [B, H, T, D] with each key/value head repeated for the H / Hkv
+    query heads that share it; [T, D] arguments become one head of one sequence."""
+    if q.dim() == 2:
+        q, k, v = q[None, None], k[None, None], v[None, None]
+    group = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def causal_attention(q, k, v, n_padd=0, scale=None):
+    """out of causal self-attention over left-padded sequences, by F.scaled_dot_product_attention
+    with the boolean mask of causal_attention_mask, in q's dtype: on float64 tensors the
+    reference, on a half-precision dtype PyTorch's own SDPA in that precision.
+
+    q [B, H, T, D], k and v [B, Hkv, T, D] (Hkv dividing H), or all [T, D]; n_padd an int or a
+    tensor [B]. Padding rows of out (i < n_padd[b]) are zeros. Padding keys, values and queries
+    are zeroed before use: they are never read, and NaN there must not reach the result.
+    """
+    squeeze = q.dim() == 2
+    q, k, v = _attention_heads(q, k, v)
+    keep = causal_attention_mask(q.shape[-2], n_padd, q.device)  # [B or 1, 1, T, T]
+    valid = keep.any(-1, keepdim=True)  # [B or 1, 1, T, 1]: i >= n_padd[b]
+    q, k, v = (t.masked_fill(~valid, 0) for t in (q, k, v))
+    # A padding row attends nothing, which SDPA would turn into NaN: let it see every (zeroed)
+    # key, then zero it.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep | ~valid, scale=scale)
+    out = torch.where(valid, out, 0)
+    return out[0, 0] if squeeze else out
+
+
+def causal_attention_lse(q, k, n_padd=0, scale=None):
+    """lse [B, H, T] (or [T]) = log sum_j exp(scale * q_i . k_j) over the keys each row attends,
+    -inf on padding rows, in q's dtype."""
+    squeeze = q.dim() == 2
+    q, k, _ = _attention_heads(q, k, k)
+    keep = causal_attention_mask(q.shape[-2], n_padd, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.mT * scale).masked_fill(~keep, -torch.inf)  # NaN in padding rows masked too
+    lse = torch.logsumexp(scores, -1)
+    return lse[0, 0] if squeeze else lse
+
+
+def causal_attention_abs(q, k, v, n_padd=0, scale=None):
+    """(out_scale, lse_scale) in float64: sum_j p_ij |v_j| behind each element of out, and
+    1 + sum_j p_ij |scale| (|q_i| . |k_j|) behind each lse, with p the attention weights. Rounding
+    the products and sums scales with them (see mhc_post_abs); padding rows get 1."""
+    q, k, v = (t.double() for t in (q, k, v))
+    squeeze = q.dim() == 2
+    q, k, v = _attention_heads(q, k, v)
+    keep = causal_attention_mask(q.shape[-2], n_padd, q.device)
+    valid = keep.any(-1, keepdim=True)
+    q, k, v = (t.masked_fill(~valid, 0) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.mT * scale).masked_fill(~keep, -torch.inf)
+    p = torch.where(valid, torch.softmax(scores, -1), 0)  # [B, H, T, T]
+    out_scale = torch.where(valid, p @ v.abs(), 1)
+    lse_scale = 1 + (p * (q.abs() @ k.abs().mT * abs(scale))).sum(-1)
+    if squeeze:
+        return out_scale[0, 0], lse_scale[0, 0]
+    return out_scale, lse_scale
