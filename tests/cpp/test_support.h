@@ -1,9 +1,11 @@
 // What the C++ tests share: the per-test random seed, the tolerances (stated once per dtype), the
-// mhc_post inputs and layouts, and checks of raw buffers and of error messages.
+// mhc_post inputs and layouts, views through negative strides, and checks of raw buffers and of
+// error messages.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <ostream>
@@ -319,6 +321,33 @@ inline DeviceTensor empty_reversed(const std::vector<std::int64_t>& shape, DType
   d.view.data = static_cast<char*>(d.view.data) + (shape.back() - 1) * fusekit::element_size(dtype);
   d.view.strides[d.view.ndim - 1] = -1;
   return d;
+}
+
+/// `t` with its values reversed along `dim`: uploaded so and viewed through a negative stride
+/// along `dim` (see flip_view), it reads as `t`.
+inline HostTensor flipped(const HostTensor& t, int dim) {
+  HostTensor f = t;
+  std::int64_t inner = 1;
+  for (std::size_t d = dim + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
+  const std::int64_t size = t.shape[dim];
+  const std::int64_t outer = t.numel() / std::max<std::int64_t>(1, size * inner);
+  for (std::int64_t o = 0; o < outer; ++o) {
+    for (std::int64_t k = 0; k < size; ++k) {
+      for (std::int64_t q = 0; q < inner; ++q) {
+        f.values[(o * size + k) * inner + q] = t.values[(o * size + size - 1 - k) * inner + q];
+      }
+    }
+  }
+  return f;
+}
+
+/// Views `t` along `dim` backwards: from its last element there, through the negated stride.
+inline void flip_view(DeviceTensor& t, int dim) {
+  TensorView& v = t.view;
+  if (v.shape[dim] == 0) return;
+  const auto esize = static_cast<std::int64_t>(fusekit::element_size(v.dtype));
+  v.data = static_cast<char*>(v.data) + (v.shape[dim] - 1) * v.strides[dim] * esize;
+  v.strides[dim] = -v.strides[dim];
 }
 
 /// The params the entry point hands to the backends for these (valid) views: what the launch

@@ -215,33 +215,6 @@ inline HostTensor trimul_float64(const TrimulInputs& in, const TrimulCase& c) {
 
 // ------------------------------------------------------------------------------------ devices
 
-/// `t` with its values reversed along `dim`: uploaded so and viewed through a negative stride
-/// along `dim` (see flip_view), it reads as `t`.
-inline HostTensor flipped(const HostTensor& t, int dim) {
-  HostTensor f = t;
-  std::int64_t inner = 1;
-  for (std::size_t d = dim + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
-  const std::int64_t size = t.shape[dim];
-  const std::int64_t outer = t.numel() / std::max<std::int64_t>(1, size * inner);
-  for (std::int64_t o = 0; o < outer; ++o) {
-    for (std::int64_t k = 0; k < size; ++k) {
-      for (std::int64_t q = 0; q < inner; ++q) {
-        f.values[(o * size + k) * inner + q] = t.values[(o * size + size - 1 - k) * inner + q];
-      }
-    }
-  }
-  return f;
-}
-
-/// Views `t` along `dim` backwards: from its last element there, through the negated stride.
-inline void flip_view(DeviceTensor& t, int dim) {
-  TensorView& v = t.view;
-  if (v.shape[dim] == 0) return;
-  const auto esize = static_cast<std::int64_t>(fusekit::element_size(v.dtype));
-  v.data = static_cast<char*>(v.data) + (v.shape[dim] - 1) * v.strides[dim] * esize;
-  v.strides[dim] = -v.strides[dim];
-}
-
 /// A [n] vector laid out as an [n, 1] column in `layout` and viewed as [n] (see TrimulLayouts).
 inline DeviceTensor upload_vector(const HostTensor& t, DType dtype, Device device,
                                   const Layout& layout) {
