@@ -82,7 +82,7 @@ testing::Tolerance reduction_tolerance(std::int64_t length) {
 
 void CaseRunner::print_header() const {
   // Errors against the float64 reference, then (CUDA) against the CPU backend: max abs, rel.
-  fmt::print("{:<21} {:<8} {:<16} {:<24} {:<8} {:<7} {:<8} {:<8} {}result\n", "op", "pass",
+  fmt::print("{:<21} {:<8} {:<20} {:<24} {:<8} {:<7} {:<8} {:<8} {}result\n", "op", "pass",
              "shape", "layout", "dtype", "device", "f64 abs", "f64 rel",
              device_.kind == DeviceKind::CUDA ? "cpu abs  cpu rel  " : "");
 }
@@ -127,7 +127,7 @@ void CaseRunner::run(const CaseInfo& info, const RunOnDevice& run_on,
   const bool ok = failures.empty();
   (ok ? passed_ : failed_) += 1;
   const std::string cpu_errors = cuda ? errors_text(vs_cpu) + " " : std::string();
-  fmt::print("{:<21} {:<8} {:<16} {:<24} {:<8} {:<7} {} {}{}\n", info.op, info.pass, info.shape,
+  fmt::print("{:<21} {:<8} {:<20} {:<24} {:<8} {:<7} {} {}{}\n", info.op, info.pass, info.shape,
              info.layout, to_string(info.dtype), to_string(device_), errors_text(vs_reference),
              cpu_errors, ok ? "ok" : "FAIL");
   for (const std::string& f : failures) fmt::print("    {}\n", f);

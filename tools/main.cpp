@@ -114,7 +114,9 @@ int run_check(const CheckOptions& options) {
   }
   CaseRunner runner(device);
   runner.print_header();
-  for (const Op* op : ops) op->check({.device = device, .seed = seed, .runner = &runner});
+  for (const Op* op : ops) {
+    if (runs_on(*op, device)) op->check({.device = device, .seed = seed, .runner = &runner});
+  }
   fmt::print("{} passed, {} failed\n", runner.passed(), runner.failed());
   if (runner.failed() > 0) fmt::print("rerun with --seed {}\n", seed);
   return runner.failed() > 0 ? kExitFailed : 0;
@@ -160,7 +162,9 @@ int run_bench(const BenchOptions& options) {
                          print_bench_row(row, copy);
                          rows.push_back(std::move(row));
                        }};
-  for (const Op* op : ops) op->bench(context);
+  for (const Op* op : ops) {
+    if (runs_on(*op, device)) op->bench(context);
+  }
   print_bench_table(rows, copy);
   if (!options.json.empty()) {
     write_bench_json(options.json, device, copy, rows);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "fusekit/error.h"
 
 namespace fusekit::tools {
@@ -11,12 +13,14 @@ namespace fusekit::tools {
 Op mhc_post_op();
 Op layernorm_linear_gelu_op();
 Op trimul_op();
+Op causal_attention_op();
 
 std::span<const Op> all_ops() {
   static const Op ops[] = {
       mhc_post_op(),
       layernorm_linear_gelu_op(),
       trimul_op(),
+      causal_attention_op(),
   };
   return ops;
 }
@@ -54,6 +58,12 @@ std::vector<const Op*> select_ops(const std::vector<std::string>& names) {
     throw Error(detail::concat("unknown operator '", name, "'; known operators: ", list));
   }
   return selected;
+}
+
+bool runs_on(const Op& op, Device device) {
+  if (device.kind != DeviceKind::CUDA || op.has_cuda_backend) return true;
+  fmt::print("{}: skipped on {}: no CUDA backend yet\n", op.name, to_string(device));
+  return false;
 }
 
 }  // namespace fusekit::tools

@@ -38,6 +38,9 @@ struct Op {
   std::string_view bench_shapes;  // the rows `fusekit bench` times, for --help
   std::function<void(const CheckContext&)> check;
   std::function<void(const BenchContext&)> bench;
+  /// false while the operator has only its CPU backend: check and bench then skip it on a CUDA
+  /// device, with a note, instead of failing on the backend's not-implemented error.
+  bool has_cuda_backend = true;
 };
 
 /// Every registered operator, in the order check and bench run them.
@@ -50,5 +53,8 @@ testing::HostTensor bench_input(std::vector<std::int64_t> shape, std::uint64_t s
 /// The operators named in `names` (all of them when empty); an Error lists the known names
 /// when one is unknown.
 std::vector<const Op*> select_ops(const std::vector<std::string>& names);
+
+/// Whether `op` runs on `device`; when it does not, prints a note saying why it is skipped.
+bool runs_on(const Op& op, Device device);
 
 }  // namespace fusekit::tools

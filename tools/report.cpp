@@ -75,12 +75,12 @@ void print_bench_row(const BenchRow& row, double copy_bytes_per_s) {
 }
 
 void print_bench_table(const std::vector<BenchRow>& rows, double copy_bytes_per_s) {
-  fmt::print("\n{:<21} {:<8} {:<18} {:<8} {:<7} {:>11} {:>9} {:>7} {:>9}\n", "op", "pass",
+  fmt::print("\n{:<21} {:<8} {:<24} {:<8} {:<7} {:>11} {:>9} {:>7} {:>9}\n", "op", "pass",
              "shape", "dtype", "device", "median us", "GB/s", "% copy", "TFLOP/s");
   for (const BenchRow& row : rows) {
     const std::string flops =
         row.flops > 0 ? fmt::format("{:.2f}", row.flops_per_s() * 1e-12) : "-";
-    fmt::print("{:<21} {:<8} {:<18} {:<8} {:<7} {:>11.1f} {:>9.1f} {:>7.1f} {:>9}\n", row.op,
+    fmt::print("{:<21} {:<8} {:<24} {:<8} {:<7} {:>11.1f} {:>9.1f} {:>7.1f} {:>9}\n", row.op,
                row.pass, row.shape, to_string(row.dtype), to_string(row.device), row.median_us,
                row.bytes_per_s() * 1e-9, percent_of(row.bytes_per_s(), copy_bytes_per_s), flops);
   }
