@@ -63,8 +63,10 @@ def test_binding_takes_any_dlpack_array_in_place():
 def test_public_names():
     import fusekit.torch
 
-    assert {"layernorm_linear_gelu", "mhc_post", "mhc_post_backward"} <= set(fusekit.__all__)
-    assert {"LayerNormLinearGELU", "layernorm_linear_gelu"} <= set(fusekit.torch.__all__)
+    assert {"causal_attention", "layernorm_linear_gelu", "mhc_post", "mhc_post_backward",
+            "trimul"} <= set(fusekit.__all__)
+    assert {"LayerNormLinearGELU", "TriangleMultiplication", "layernorm_linear_gelu"} <= set(
+        fusekit.torch.__all__)
     for module in (fusekit, fusekit.torch):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
