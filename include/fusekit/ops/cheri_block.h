@@ -1,0 +1,88 @@
+// cheri_block: the Cheri block of a genomics sequence-to-function model (a ConvNeXt-style block),
+// forward for training and inference, and backward; and its first half, dilated_conv_norm.
+//
+//   conv[n, l, c] = w[0, c] x[n, l - d, c] + w[1, c] x[n, l, c] + w[2, c] x[n, l + d, c]
+//                   (x is zero outside 0 <= l < L; d is the dilation)
+//   y[n]  = (conv[n] - mean_n) * rstd_n,   mean_n, var_n over the whole (L, C) plane of example n
+//           (biased variance), rstd_n = 1 / sqrt(var_n + eps)
+//   h     = y @ linear1_weight^T                                  [N, L, E C]
+//   out   = x + residual_scale * GELU_tanh(h) @ linear2_weight^T   [N, L, C]   (no biases)
+//
+// Arguments (N >= 0, L >= 1, C >= 1, d >= 1, d >= L included; E C >= 1):
+//   x, out, y and the gradients of x, y and out: [N, L, C], float32, float16 or bfloat16 (all of
+//   x's dtype); the last axis contiguous, other strides any
+//   conv_weight [3, C], linear1_weight [E C, C], linear2_weight [C, E C]: float32 or x's dtype,
+//   any strides; their gradients have the weight's shape and dtype
+//   mean, rstd [N]: float32 (what the training forward keeps for the backward)
+// All tensors live on one device.
+//
+// Precision: statistics in float32 from two passes (the mean, then squared deviations), never
+// E[y^2] - mean^2. The training path's two products use TF32 tensor cores for float32 inputs when
+// `allow_tf32` (as the model trains); false keeps full float32 products. The inference path may
+// run its products in half precision (see the backends). The CPU backend computes in float32 with
+// double statistics.
+// Determinism: every output and gradient is bitwise the same on every run, the first included:
+// the reductions over N and L (the weight gradients, the statistics) run in a fixed order.
+// Aliasing: no output may overlap an input or another output (checked).
+// Stream: CUDA work is enqueued on `stream` without synchronising; calls can be captured in CUDA
+// graphs. On the CPU a call returns when its results are written.
+#pragma once
+
+#include <cstdint>
+
+#include "fusekit/tensor.h"
+
+namespace fusekit {
+
+struct DilatedConvNormOptions {
+  std::int64_t dilation = 1;
+  double eps = 1e-3;
+};
+
+/// y = the normalised dilated convolution of x; mean and rstd [N] float32 (each optional: an
+/// empty TensorView skips it).
+void dilated_conv_norm(const TensorView& y, const TensorView& mean, const TensorView& rstd,
+                       const TensorView& x, const TensorView& conv_weight,
+                       const DilatedConvNormOptions& options = {}, Stream stream = {});
+
+/// Gradients of dilated_conv_norm given grad_y and the forward's mean and rstd.
+void dilated_conv_norm_backward(const TensorView& grad_x, const TensorView& grad_conv_weight,
+                                const TensorView& grad_y, const TensorView& x,
+                                const TensorView& conv_weight, const TensorView& mean,
+                                const TensorView& rstd, const DilatedConvNormOptions& options = {},
+                                Stream stream = {});
+
+/// The block's parameters (or, for the backward's outputs, their gradients).
+struct CheriBlockWeights {
+  TensorView conv_weight;     // [3, C]
+  TensorView linear1_weight;  // [E C, C]
+  TensorView linear2_weight;  // [C, E C]
+};
+
+struct CheriBlockOptions {
+  std::int64_t dilation = 1;
+  double residual_scale = 0.15;
+  double eps = 1e-3;
+  /// float32 inputs: TF32 tensor cores for the two products of the training path.
+  bool allow_tf32 = true;
+};
+
+/// The training forward: out, and the per-example mean and rstd [N] float32 the backward needs.
+void cheri_block(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+                 const TensorView& x, const CheriBlockWeights& weights,
+                 const CheriBlockOptions& options = {}, Stream stream = {});
+
+/// The backward of the training forward: grad_x and the three weight gradients (`grads`), from
+/// grad_out, the inputs and the forward's mean and rstd (everything else is recomputed).
+void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& grads,
+                          const TensorView& grad_out, const TensorView& x,
+                          const CheriBlockWeights& weights, const TensorView& mean,
+                          const TensorView& rstd, const CheriBlockOptions& options = {},
+                          Stream stream = {});
+
+/// The inference forward: out only, in as few passes over memory as possible, nothing saved.
+void cheri_block_inference(const TensorView& out, const TensorView& x,
+                           const CheriBlockWeights& weights, const CheriBlockOptions& options = {},
+                           Stream stream = {});
+
+}  // namespace fusekit
