@@ -5,6 +5,7 @@
     y = fusekit.layernorm_linear_gelu(x, weight, bias, ln_weight=gamma, ln_bias=beta)
     z = fusekit.trimul(pair, mask, module.state_dict(), direction="incoming")
     o = fusekit.causal_attention(q, k, v, n_padd)
+    h = fusekit.cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation=4)
 
 Arrays are torch tensors or numpy arrays, all of one framework. They reach the C++ library as they
 are: any strides, no copy, no dtype cast, no device move. The library validates them and raises
@@ -42,8 +43,13 @@ __all__ = [
     "Error",
     "build_info",
     "causal_attention",
+    "cheri_block",
+    "cheri_block_backward",
+    "cheri_block_train",
     "cuda_device_count",
     "cuda_device_info",
+    "dilated_conv_norm",
+    "dilated_conv_norm_backward",
     "layernorm_linear_gelu",
     "mhc_post",
     "mhc_post_backward",
@@ -439,3 +445,147 @@ def _left_padding(n_padd):
             pass
     raise Error(f"causal_attention: n_padd is a {_type_name(n_padd)}, expected an int or an "
                 "int32 array [B] (torch.Tensor or numpy.ndarray)")
+
+
+# ---------------------------------------------------------------------------------- cheri_block
+
+_CHERI_ARGS = ("x", "conv_weight", "linear1_weight", "linear2_weight")
+_CHERI_BACKWARD_ARGS = ("grad_out",) + _CHERI_ARGS + ("mean", "rstd")
+
+
+def cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale=0.15, *,
+                eps=1e-3, out=None, allow_tf32=True):
+    """The Cheri block (a ConvNeXt-style block of a genomics model), forward:
+
+        conv[n, l, c] = w[0, c] x[n, l - d, c] + w[1, c] x[n, l, c] + w[2, c] x[n, l + d, c]
+        y             = (conv - mean_n) * rstd_n    over each example's (L, C) plane, eps
+        out           = x + residual_scale * GELU_tanh(y @ linear1_weight.T) @ linear2_weight.T
+
+    with x zero outside 0 <= l < L and d = dilation >= 1 (d >= L included). x [N, L, C] in
+    float32, float16 or bfloat16 with its last axis contiguous (other strides any; nothing is
+    copied); conv_weight [3, C] (conv_weight[k, c] the tap of x[l + (k - 1) d], as the model's
+    parameter is laid out), linear1_weight [E C, C] and linear2_weight [C, E C] (the Linear
+    layers' weights), each float32 or x's dtype, any strides. Returns out in x's shape and dtype.
+    If `out` is given it is written and returned; its last axis must be contiguous and it must
+    not overlap an input.
+
+    Without autograd this is the inference forward (on CUDA its products may run in half
+    precision). When autograd records the call (grad enabled and an input requiring grad) it
+    runs the training forward instead, differentiable through torch autograd, with TF32 products
+    for float32 inputs on CUDA unless allow_tf32 is False; `out` is refused then. See
+    include/fusekit/ops/cheri_block.h.
+    """
+    return _cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                        eps, allow_tf32, out)
+
+
+def _cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale, eps,
+                 allow_tf32, out):
+    """fusekit.cheri_block with positional arguments (the module's call)."""
+    if _direct_torch_call((x, conv_weight, linear1_weight, linear2_weight, out)):
+        if out is None:
+            out = _empty(x)
+        _C.cheri_block_inference(_dl(out), _dl(x), _dl(conv_weight), _dl(linear1_weight),
+                                 _dl(linear2_weight), dilation, residual_scale, eps, _stream(x))
+        return out
+    inputs = (x, conv_weight, linear1_weight, linear2_weight)
+    kind = _framework("cheri_block", _CHERI_ARGS, inputs)
+    if out is not None:
+        _check_out("cheri_block", out, kind, x)
+    if kind is _Tensor:
+        return _ops.call_cheri_block(*inputs, dilation, residual_scale, eps, allow_tf32, out)
+    if out is None:
+        out = _np.empty(x.shape, dtype=x.dtype)
+    _C.cheri_block_inference(out, *inputs, dilation, residual_scale, eps, 0)
+    return out
+
+
+def cheri_block_train(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                      residual_scale=0.15, *, eps=1e-3, allow_tf32=True):
+    """The Cheri block's training forward: (out, mean, rstd), out as fusekit.cheri_block's (in x's
+    shape and dtype), mean and rstd the float32 statistics [N] of each example's normalisation,
+    which cheri_block_backward takes. Differentiable through torch autograd (out; mean and rstd
+    are not). allow_tf32 lets float32 products use TF32 tensor cores on CUDA.
+    """
+    inputs = (x, conv_weight, linear1_weight, linear2_weight)
+    if _direct_torch_call(inputs):
+        out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+        _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), *(_dl(t) for t in inputs), dilation,
+                       residual_scale, eps, allow_tf32, _stream(x))
+        return out, mean, rstd
+    kind = _framework("cheri_block", _CHERI_ARGS, inputs)
+    if kind is _Tensor:
+        return tuple(_torch.ops.fusekit.cheri_block(*inputs, dilation, residual_scale, eps,
+                                                    allow_tf32))
+    out = _np.empty(x.shape, dtype=x.dtype)
+    mean, rstd = (_np.empty(x.shape[:1], dtype=_np.float32) for _ in range(2))
+    _C.cheri_block(out, mean, rstd, *inputs, dilation, residual_scale, eps, allow_tf32, 0)
+    return out, mean, rstd
+
+
+def cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight, mean, rstd,
+                         dilation, residual_scale=0.15, *, eps=1e-3, allow_tf32=True):
+    """The gradients of the Cheri block's training forward given grad_out [N, L, C] (x's dtype,
+    last axis contiguous) and the forward's mean and rstd: (grad_x, grad_conv_weight,
+    grad_linear1_weight, grad_linear2_weight), each in its input's shape and dtype. Everything
+    else is recomputed. Bitwise deterministic.
+    """
+    inputs = (grad_out, x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
+    if _direct_torch_call(inputs):
+        grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
+        _C.cheri_block_backward(*(_dl(g) for g in grads), *(_dl(t) for t in inputs), dilation,
+                                residual_scale, eps, allow_tf32, _stream(x))
+        return grads
+    kind = _framework("cheri_block_backward", _CHERI_BACKWARD_ARGS, inputs)
+    if kind is _Tensor:
+        return tuple(_torch.ops.fusekit.cheri_block_backward(*inputs, dilation, residual_scale,
+                                                             eps, allow_tf32))
+    grads = tuple(_np.empty(t.shape, dtype=t.dtype) for t in inputs[1:5])
+    _C.cheri_block_backward(*grads, *inputs, dilation, residual_scale, eps, allow_tf32, 0)
+    return grads
+
+
+def dilated_conv_norm(x, conv_weight, dilation, *, eps=1e-3):
+    """The first half of the Cheri block: (y, mean, rstd), y the dilated 3-tap depthwise
+    convolution of x normalised over each example's (L, C) plane (see fusekit.cheri_block), in
+    x's shape and dtype; mean and rstd its float32 statistics [N]. Differentiable through torch
+    autograd (y; mean and rstd are not).
+    """
+    inputs = (x, conv_weight)
+    if _direct_torch_call(inputs):
+        y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+        _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation,
+                             eps, _stream(x))
+        return y, mean, rstd
+    kind = _framework("dilated_conv_norm", ("x", "conv_weight"), inputs)
+    if kind is _Tensor:
+        return tuple(_torch.ops.fusekit.dilated_conv_norm(x, conv_weight, dilation, eps))
+    y = _np.empty(x.shape, dtype=x.dtype)
+    mean, rstd = (_np.empty(x.shape[:1], dtype=_np.float32) for _ in range(2))
+    _C.dilated_conv_norm(y, mean, rstd, x, conv_weight, dilation, eps, 0)
+    return y, mean, rstd
+
+
+def dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation, *, eps=1e-3):
+    """The gradients of dilated_conv_norm given grad_y and the forward's mean and rstd:
+    (grad_x, grad_conv_weight), in the shapes and dtypes of x and conv_weight.
+    """
+    inputs = (grad_y, x, conv_weight, mean, rstd)
+    if _direct_torch_call(inputs):
+        grads = (_empty(x), _empty(conv_weight))
+        _C.dilated_conv_norm_backward(_dl(grads[0]), _dl(grads[1]), *(_dl(t) for t in inputs),
+                                      dilation, eps, _stream(x))
+        return grads
+    kind = _framework("dilated_conv_norm_backward",
+                      ("grad_y", "x", "conv_weight", "mean", "rstd"), inputs)
+    if kind is _Tensor:
+        return tuple(_torch.ops.fusekit.dilated_conv_norm_backward(*inputs, dilation, eps))
+    grads = (_np.empty(x.shape, dtype=x.dtype), _np.empty(conv_weight.shape,
+                                                          dtype=conv_weight.dtype))
+    _C.dilated_conv_norm_backward(*grads, *inputs, dilation, eps, 0)
+    return grads
+
+
+def _stats_empty(x):
+    """The float32 per-example statistics [N] of x [N, L, C]."""
+    return x.new_empty(x.shape[:1], dtype=_torch.float32)

@@ -10,16 +10,29 @@
                              direction="outgoing", eps=1e-5) -> out
     torch.ops.fusekit.causal_attention(q, k, v, n_padd=0, n_padd_per_sequence=None, scale=None,
                                        allow_tf32=False) -> (out, lse)
+    torch.ops.fusekit.dilated_conv_norm(x, conv_weight, dilation, eps=1e-3) -> (y, mean, rstd)
+    torch.ops.fusekit.dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation,
+                                                 eps=1e-3) -> (grad_x, grad_conv_weight)
+    torch.ops.fusekit.cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                                  residual_scale=0.15, eps=1e-3, allow_tf32=True)
+        -> (out, mean, rstd)
+    torch.ops.fusekit.cheri_block_backward(grad_out, x, conv_weight, linear1_weight,
+                                           linear2_weight, mean, rstd, dilation,
+                                           residual_scale=0.15, eps=1e-3, allow_tf32=True)
+        -> (grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight)
+    torch.ops.fusekit.cheri_block_inference(x, conv_weight, linear1_weight, linear2_weight,
+                                            dilation, residual_scale=0.15, eps=1e-3) -> out
 
-and the modules LayerNormLinearGELU and TriangleMultiplication, which call
-fusekit.layernorm_linear_gelu and fusekit.trimul.
+and the modules LayerNormLinearGELU, TriangleMultiplication and CheriBlock, which call
+fusekit.layernorm_linear_gelu, fusekit.trimul and fusekit.cheri_block.
 
 `import fusekit` registers them when torch is installed. Each op allocates its outputs
 (contiguous) on the inputs' device and runs the C++ library on the current stream of that device.
 The fake implementations give the same shapes, dtypes and strides without running anything, so
-torch.compile and torch.export trace through them. The autograd formula of mhc_post is its
-backward op; layernorm_linear_gelu, trimul and causal_attention are forward only, and
-backpropagating through them raises fusekit.Error.
+torch.compile and torch.export trace through them. The autograd formulas of mhc_post,
+dilated_conv_norm and cheri_block (the training forward) are their backward ops (mean and rstd
+are not differentiable); layernorm_linear_gelu, trimul, causal_attention and
+cheri_block_inference are forward only, and backpropagating through them raises fusekit.Error.
 """
 
 import math
@@ -34,9 +47,15 @@ import fusekit
 from . import _C
 
 __all__ = [
+    "CheriBlock",
     "LayerNormLinearGELU",
     "TriangleMultiplication",
     "causal_attention",
+    "cheri_block",
+    "cheri_block_backward",
+    "cheri_block_inference",
+    "dilated_conv_norm",
+    "dilated_conv_norm_backward",
     "layernorm_linear_gelu",
     "mhc_post",
     "mhc_post_backward",
@@ -446,3 +465,231 @@ def call_causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf3
     if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
         raise _C.Error(f"causal_attention: out is {_describe(out)}, expected {_describe(result)}")
     return out.copy_(result), lse
+
+
+# ---------------------------------------------------------------------------------- cheri_block
+
+
+def _stats_empty(x):
+    """The float32 per-example statistics [N] of x [N, L, C], on x's device."""
+    return x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+def _contiguous_last(t):
+    """t with a unit stride on its last axis, as the library reads gradients (autograd hands the
+    backward whatever layout the next op produced, e.g. stride 0 from a sum)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+@torch.library.custom_op("fusekit::dilated_conv_norm", mutates_args=())
+def dilated_conv_norm(x: Tensor, conv_weight: Tensor, dilation: int,
+                      eps: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd): the dilated 3-tap depthwise convolution of x [N, L, C] normalised over
+    each example's (L, C) plane; mean and rstd float32 [N]."""
+    y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+    _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation, eps,
+                         _stream(x))
+    return y, mean, rstd
+
+
+@dilated_conv_norm.register_fake
+def _dilated_conv_norm_fake(x, conv_weight, dilation, eps=1e-3):
+    return _empty(x), _stats_empty(x), _stats_empty(x)
+
+
+@torch.library.custom_op("fusekit::dilated_conv_norm_backward", mutates_args=())
+def dilated_conv_norm_backward(grad_y: Tensor, x: Tensor, conv_weight: Tensor, mean: Tensor,
+                               rstd: Tensor, dilation: int,
+                               eps: float = 1e-3) -> tuple[Tensor, Tensor]:
+    """(grad_x, grad_conv_weight) of dilated_conv_norm given grad_y and the forward's mean and
+    rstd."""
+    grad_x, grad_conv = _empty(x), _empty(conv_weight)
+    _C.dilated_conv_norm_backward(_dl(grad_x), _dl(grad_conv), _dl(grad_y), _dl(x),
+                                  _dl(conv_weight), _dl(mean), _dl(rstd), dilation, eps,
+                                  _stream(x))
+    return grad_x, grad_conv
+
+
+@dilated_conv_norm_backward.register_fake
+def _dilated_conv_norm_backward_fake(grad_y, x, conv_weight, mean, rstd, dilation, eps=1e-3):
+    return _empty(x), _empty(conv_weight)
+
+
+def _dilated_conv_norm_setup_context(ctx, inputs, output):
+    x, conv_weight, dilation, eps = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, conv_weight, mean, rstd)
+    ctx.dilation, ctx.eps = dilation, eps
+
+
+def _dilated_conv_norm_autograd(ctx, grad_y, grad_mean, grad_rstd):
+    # mean and rstd are statistics the backward consumes, not outputs to differentiate.
+    x, conv_weight, mean, rstd = ctx.saved_tensors
+    grad_x, grad_conv = dilated_conv_norm_backward(_contiguous_last(grad_y), x, conv_weight, mean,
+                                                   rstd, ctx.dilation, ctx.eps)
+    return grad_x, grad_conv, None, None
+
+
+dilated_conv_norm.register_autograd(_dilated_conv_norm_autograd,
+                                    setup_context=_dilated_conv_norm_setup_context)
+
+
+@torch.library.custom_op("fusekit::cheri_block", mutates_args=())
+def cheri_block(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor, linear2_weight: Tensor,
+                dilation: int, residual_scale: float = 0.15, eps: float = 1e-3,
+                allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """The Cheri block's training forward: (out, mean, rstd), out [N, L, C] in x's dtype, mean
+    and rstd float32 [N] (what the backward needs)."""
+    out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+    _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), _dl(linear1_weight),
+                   _dl(linear2_weight), dilation, residual_scale, eps, allow_tf32, _stream(x))
+    return out, mean, rstd
+
+
+@cheri_block.register_fake
+def _cheri_block_fake(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                      residual_scale=0.15, eps=1e-3, allow_tf32=True):
+    return _empty(x), _stats_empty(x), _stats_empty(x)
+
+
+@torch.library.custom_op("fusekit::cheri_block_backward", mutates_args=())
+def cheri_block_backward(grad_out: Tensor, x: Tensor, conv_weight: Tensor, linear1_weight: Tensor,
+                         linear2_weight: Tensor, mean: Tensor, rstd: Tensor, dilation: int,
+                         residual_scale: float = 0.15, eps: float = 1e-3,
+                         allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight) of the training
+    forward, each shaped and typed like its input."""
+    grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
+    _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(conv_weight),
+                            _dl(linear1_weight), _dl(linear2_weight), _dl(mean), _dl(rstd),
+                            dilation, residual_scale, eps, allow_tf32, _stream(x))
+    return grads
+
+
+@cheri_block_backward.register_fake
+def _cheri_block_backward_fake(grad_out, x, conv_weight, linear1_weight, linear2_weight, mean,
+                               rstd, dilation, residual_scale=0.15, eps=1e-3, allow_tf32=True):
+    return _empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight)
+
+
+def _cheri_block_setup_context(ctx, inputs, output):
+    x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale, eps, allow_tf32 = (
+        inputs)
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
+    ctx.options = (dilation, residual_scale, eps, allow_tf32)
+
+
+def _cheri_block_autograd(ctx, grad_out, grad_mean, grad_rstd):
+    # Everything but x, the weights and the statistics is recomputed by the backward.
+    grads = cheri_block_backward(_contiguous_last(grad_out), *ctx.saved_tensors, *ctx.options)
+    return (*grads, None, None, None, None)
+
+
+cheri_block.register_autograd(_cheri_block_autograd, setup_context=_cheri_block_setup_context)
+
+
+@torch.library.custom_op("fusekit::cheri_block_inference", mutates_args=())
+def cheri_block_inference(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor,
+                          linear2_weight: Tensor, dilation: int, residual_scale: float = 0.15,
+                          eps: float = 1e-3) -> Tensor:
+    """The Cheri block's inference forward: out [N, L, C] in x's dtype, nothing saved."""
+    out = _empty(x)
+    _C.cheri_block_inference(_dl(out), _dl(x), _dl(conv_weight), _dl(linear1_weight),
+                             _dl(linear2_weight), dilation, residual_scale, eps, _stream(x))
+    return out
+
+
+@cheri_block_inference.register_fake
+def _cheri_block_inference_fake(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                                residual_scale=0.15, eps=1e-3):
+    return _empty(x)
+
+
+def _cheri_block_inference_setup_context(ctx, inputs, output):
+    pass  # nothing to save: the backward only reports that there is none
+
+
+def _cheri_block_inference_autograd(ctx, grad_out):
+    raise _C.Error("cheri_block_inference: backward was called, but the inference forward saves "
+                   "nothing to differentiate; expected fusekit.cheri_block (which takes the "
+                   "training path under autograd) or torch.ops.fusekit.cheri_block")
+
+
+# Registered for the same reason as layernorm_linear_gelu's: autograd records a direct call of
+# the op, and backward fails with this message. fusekit.cheri_block never routes autograd here.
+cheri_block_inference.register_autograd(_cheri_block_inference_autograd,
+                                        setup_context=_cheri_block_inference_setup_context)
+
+
+def call_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                     eps, allow_tf32, out=None):
+    """fusekit.cheri_block through the ops, for autograd, compilers and tensor subclasses: the
+    training forward (differentiable) when autograd records the call, else the inference forward.
+    `out` is filled by a copy, which a compiler can fuse; it is refused when autograd records the
+    call."""
+    weights = (conv_weight, linear1_weight, linear2_weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        if out is not None:
+            raise _C.Error("cheri_block: out= was given while autograd records the call (a "
+                           "tensor requires grad); expected out=None under autograd")
+        return cheri_block(x, *weights, dilation, residual_scale, eps, allow_tf32)[0]
+    result = cheri_block_inference(x, *weights, dilation, residual_scale, eps)
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise _C.Error(f"cheri_block: out is {_describe(out)}, expected {_describe(result)}")
+    return out.copy_(result)
+
+
+class CheriBlock(torch.nn.Module):
+    """The Cheri block of a genomics sequence-to-function model (a ConvNeXt-style block) in fused
+    fusekit calls, with the parameters of its usual PyTorch formulation, so that its state dict
+    loads unchanged:
+
+        conv_weight   [3, n_filters], the left, centre and right taps of the depthwise convolution
+        linear1       torch.nn.Linear(n_filters, expansion * n_filters, bias=False)
+        linear2       torch.nn.Linear(expansion * n_filters, n_filters, bias=False)
+
+    forward(x): x [N, L, n_filters] -> x + residual_scale * linear2(GELU_tanh(linear1(
+    dilated_conv_norm(x)))), with eps 1e-3 in the per-example normalisation. Under autograd
+    (grad enabled and x or a parameter requiring grad) it runs the training forward and its
+    backward; otherwise (torch.no_grad(), torch.inference_mode(), frozen parameters) the
+    inference forward. The parameters are passed as they are on every call (float32 parameters
+    with bfloat16 activations included): nothing is converted or cached, so changes to them,
+    in place or not, show in the next call. Set `allow_tf32` to False for full float32 products
+    in training on CUDA.
+    """
+
+    def __init__(self, n_filters, dilation, expansion=2, residual_scale=0.15, eps=1e-3,
+                 device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.n_filters = n_filters
+        self.dilation = dilation
+        self.expansion = expansion
+        self.residual_scale = residual_scale
+        self.eps = eps
+        self.allow_tf32 = True
+        hidden = expansion * n_filters
+        self.conv_weight = torch.nn.Parameter(torch.empty(3, n_filters, **factory))
+        self.linear1 = torch.nn.Linear(n_filters, hidden, bias=False, **factory)
+        self.linear2 = torch.nn.Linear(hidden, n_filters, bias=False, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # The model's own initialisation: truncated normals of standard deviation 0.02.
+        for w in (self.conv_weight, self.linear1.weight, self.linear2.weight):
+            torch.nn.init.trunc_normal_(w, std=0.02)
+
+    def forward(self, x):
+        return fusekit._cheri_block(x, self.conv_weight, self.linear1.weight, self.linear2.weight,
+                                    self.dilation, self.residual_scale, self.eps, self.allow_tf32,
+                                    None)
+
+    def extra_repr(self):
+        return (f"n_filters={self.n_filters}, dilation={self.dilation}, "
+                f"expansion={self.expansion}, residual_scale={self.residual_scale}, "
+                f"eps={self.eps}")

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "fusekit/fusekit.h"
+#include "fusekit/ops/cheri_block.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -242,6 +243,122 @@ void causal_attention(const OutArray& out, const OutArray& lse, const InArray& q
   fusekit::causal_attention(v_out, v_lse, v_q, v_k, v_v, padding, options, to_stream(stream));
 }
 
+// ---------------------------------------------------------------------------------- cheri_block
+
+fusekit::CheriBlockWeights cheri_weights(const InArray& conv_weight, const InArray& linear1_weight,
+                                         const InArray& linear2_weight, const char* op) {
+  fusekit::CheriBlockWeights w;
+  w.conv_weight = to_view(conv_weight, op, "conv_weight");
+  w.linear1_weight = to_view(linear1_weight, op, "linear1_weight");
+  w.linear2_weight = to_view(linear2_weight, op, "linear2_weight");
+  return w;
+}
+
+fusekit::CheriBlockOptions cheri_options(std::int64_t dilation, double residual_scale, double eps,
+                                         bool allow_tf32) {
+  fusekit::CheriBlockOptions options;
+  options.dilation = dilation;
+  options.residual_scale = residual_scale;
+  options.eps = eps;
+  options.allow_tf32 = allow_tf32;
+  return options;
+}
+
+void dilated_conv_norm(const OutArray& y, const OutArray& mean, const OutArray& rstd,
+                       const InArray& x, const InArray& conv_weight, std::int64_t dilation,
+                       double eps, std::uintptr_t stream) {
+  constexpr const char* op = "dilated_conv_norm";
+  const fusekit::TensorView v_y = to_view(y, op, "y");
+  const fusekit::TensorView v_mean = to_optional_view(mean, op, "mean");
+  const fusekit::TensorView v_rstd = to_optional_view(rstd, op, "rstd");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_conv = to_view(conv_weight, op, "conv_weight");
+  fusekit::DilatedConvNormOptions options;
+  options.dilation = dilation;
+  options.eps = eps;
+  nb::gil_scoped_release release;
+  fusekit::dilated_conv_norm(v_y, v_mean, v_rstd, v_x, v_conv, options, to_stream(stream));
+}
+
+void dilated_conv_norm_backward(const OutArray& grad_x, const OutArray& grad_conv_weight,
+                                const InArray& grad_y, const InArray& x,
+                                const InArray& conv_weight, const InArray& mean,
+                                const InArray& rstd, std::int64_t dilation, double eps,
+                                std::uintptr_t stream) {
+  constexpr const char* op = "dilated_conv_norm_backward";
+  const fusekit::TensorView v_grad_x = to_view(grad_x, op, "grad_x");
+  const fusekit::TensorView v_grad_conv = to_view(grad_conv_weight, op, "grad_conv_weight");
+  const fusekit::TensorView v_grad_y = to_view(grad_y, op, "grad_y");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::TensorView v_conv = to_view(conv_weight, op, "conv_weight");
+  const fusekit::TensorView v_mean = to_view(mean, op, "mean");
+  const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
+  fusekit::DilatedConvNormOptions options;
+  options.dilation = dilation;
+  options.eps = eps;
+  nb::gil_scoped_release release;
+  fusekit::dilated_conv_norm_backward(v_grad_x, v_grad_conv, v_grad_y, v_x, v_conv, v_mean,
+                                      v_rstd, options, to_stream(stream));
+}
+
+void cheri_block(const OutArray& out, const OutArray& mean, const OutArray& rstd,
+                 const InArray& x, const InArray& conv_weight, const InArray& linear1_weight,
+                 const InArray& linear2_weight, std::int64_t dilation, double residual_scale,
+                 double eps, bool allow_tf32, std::uintptr_t stream) {
+  constexpr const char* op = "cheri_block";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_mean = to_view(mean, op, "mean");
+  const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::CheriBlockWeights weights =
+      cheri_weights(conv_weight, linear1_weight, linear2_weight, op);
+  const fusekit::CheriBlockOptions options =
+      cheri_options(dilation, residual_scale, eps, allow_tf32);
+  nb::gil_scoped_release release;
+  fusekit::cheri_block(v_out, v_mean, v_rstd, v_x, weights, options, to_stream(stream));
+}
+
+void cheri_block_backward(const OutArray& grad_x, const OutArray& grad_conv_weight,
+                          const OutArray& grad_linear1_weight,
+                          const OutArray& grad_linear2_weight, const InArray& grad_out,
+                          const InArray& x, const InArray& conv_weight,
+                          const InArray& linear1_weight, const InArray& linear2_weight,
+                          const InArray& mean, const InArray& rstd, std::int64_t dilation,
+                          double residual_scale, double eps, bool allow_tf32,
+                          std::uintptr_t stream) {
+  constexpr const char* op = "cheri_block_backward";
+  const fusekit::TensorView v_grad_x = to_view(grad_x, op, "grad_x");
+  fusekit::CheriBlockWeights grads;
+  grads.conv_weight = to_view(grad_conv_weight, op, "grad_conv_weight");
+  grads.linear1_weight = to_view(grad_linear1_weight, op, "grad_linear1_weight");
+  grads.linear2_weight = to_view(grad_linear2_weight, op, "grad_linear2_weight");
+  const fusekit::TensorView v_grad_out = to_view(grad_out, op, "grad_out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::CheriBlockWeights weights =
+      cheri_weights(conv_weight, linear1_weight, linear2_weight, op);
+  const fusekit::TensorView v_mean = to_view(mean, op, "mean");
+  const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
+  const fusekit::CheriBlockOptions options =
+      cheri_options(dilation, residual_scale, eps, allow_tf32);
+  nb::gil_scoped_release release;
+  fusekit::cheri_block_backward(v_grad_x, grads, v_grad_out, v_x, weights, v_mean, v_rstd,
+                                options, to_stream(stream));
+}
+
+void cheri_block_inference(const OutArray& out, const InArray& x, const InArray& conv_weight,
+                           const InArray& linear1_weight, const InArray& linear2_weight,
+                           std::int64_t dilation, double residual_scale, double eps,
+                           std::uintptr_t stream) {
+  constexpr const char* op = "cheri_block_inference";
+  const fusekit::TensorView v_out = to_view(out, op, "out");
+  const fusekit::TensorView v_x = to_view(x, op, "x");
+  const fusekit::CheriBlockWeights weights =
+      cheri_weights(conv_weight, linear1_weight, linear2_weight, op);
+  const fusekit::CheriBlockOptions options = cheri_options(dilation, residual_scale, eps, true);
+  nb::gil_scoped_release release;
+  fusekit::cheri_block_inference(v_out, v_x, weights, options, to_stream(stream));
+}
+
 // ------------------------------------------------------------------------------------ runtime
 
 nb::dict build_info() {
@@ -317,6 +434,42 @@ NB_MODULE(_C, m) {
         "that is given. `scale` None means 1 / sqrt(D); allow_tf32 lets float32 products use "
         "TF32. `stream` is a cudaStream_t as an int (0: the legacy default stream; ignored on "
         "the CPU).");
+
+  m.def("dilated_conv_norm", &dilated_conv_norm, "y"_a.noconvert(), "mean"_a.noconvert().none(),
+        "rstd"_a.noconvert().none(), "x"_a.noconvert(), "conv_weight"_a.noconvert(),
+        "dilation"_a, "eps"_a, "stream"_a,
+        "y = the dilated 3-tap depthwise convolution of x [N, L, C] normalised over each "
+        "example's (L, C) plane, written into `y`, and its float32 mean and rstd [N] unless they "
+        "are None (see include/fusekit/ops/cheri_block.h). `stream` is a cudaStream_t as an int "
+        "(0: the legacy default stream; ignored on the CPU).");
+  m.def("dilated_conv_norm_backward", &dilated_conv_norm_backward, "grad_x"_a.noconvert(),
+        "grad_conv_weight"_a.noconvert(), "grad_y"_a.noconvert(), "x"_a.noconvert(),
+        "conv_weight"_a.noconvert(), "mean"_a.noconvert(), "rstd"_a.noconvert(), "dilation"_a,
+        "eps"_a, "stream"_a,
+        "The gradients of dilated_conv_norm given grad_y and the forward's mean and rstd, "
+        "written into grad_x and grad_conv_weight (see include/fusekit/ops/cheri_block.h).");
+  m.def("cheri_block", &cheri_block, "out"_a.noconvert(), "mean"_a.noconvert(),
+        "rstd"_a.noconvert(), "x"_a.noconvert(), "conv_weight"_a.noconvert(),
+        "linear1_weight"_a.noconvert(), "linear2_weight"_a.noconvert(), "dilation"_a,
+        "residual_scale"_a, "eps"_a, "allow_tf32"_a, "stream"_a,
+        "The Cheri block's training forward: out = x + residual_scale * GELU_tanh(y @ "
+        "linear1_weight^T) @ linear2_weight^T with y = dilated_conv_norm(x), written into `out` "
+        "[N, L, C], and the float32 mean and rstd [N] the backward needs (see "
+        "include/fusekit/ops/cheri_block.h). allow_tf32 lets float32 products use TF32. `stream` "
+        "is a cudaStream_t as an int (0: the legacy default stream; ignored on the CPU).");
+  m.def("cheri_block_backward", &cheri_block_backward, "grad_x"_a.noconvert(),
+        "grad_conv_weight"_a.noconvert(), "grad_linear1_weight"_a.noconvert(),
+        "grad_linear2_weight"_a.noconvert(), "grad_out"_a.noconvert(), "x"_a.noconvert(),
+        "conv_weight"_a.noconvert(), "linear1_weight"_a.noconvert(),
+        "linear2_weight"_a.noconvert(), "mean"_a.noconvert(), "rstd"_a.noconvert(), "dilation"_a,
+        "residual_scale"_a, "eps"_a, "allow_tf32"_a, "stream"_a,
+        "The gradients of the Cheri block's training forward given grad_out and the forward's "
+        "mean and rstd, written into the four outputs (see include/fusekit/ops/cheri_block.h).");
+  m.def("cheri_block_inference", &cheri_block_inference, "out"_a.noconvert(), "x"_a.noconvert(),
+        "conv_weight"_a.noconvert(), "linear1_weight"_a.noconvert(),
+        "linear2_weight"_a.noconvert(), "dilation"_a, "residual_scale"_a, "eps"_a, "stream"_a,
+        "The Cheri block's inference forward, written into `out` [N, L, C]; nothing is saved "
+        "(see include/fusekit/ops/cheri_block.h).");
 
   m.def("build_info", &build_info,
         "What this build contains: version, with_cuda, cuda_architectures, with_openmp.");

@@ -140,3 +140,79 @@ def causal_attention_abs(q, k, v, n_padd=0, scale=None):
     if squeeze:
         return out_scale[0, 0], lse_scale[0, 0]
     return out_scale, lse_scale
+
+
+def dilated_conv(x, conv_weight, dilation):
+    """conv[n, l, c] = w[0, c] x[n, l - d, c] + w[1, c] x[n, l, c] + w[2, c] x[n, l + d, c], x
+    zero outside 0 <= l < L, in x's dtype (the weight is cast to it)."""
+    n, length, c = x.shape
+    d = int(dilation)
+    w = conv_weight.to(x.dtype)
+    padded = F.pad(x, (0, 0, d, d))  # [N, L + 2d, C]
+    return (w[0] * padded[:, :length] + w[1] * padded[:, d : d + length]
+            + w[2] * padded[:, 2 * d : 2 * d + length])
+
+
+def dilated_conv_norm(x, conv_weight, dilation, eps=1e-3):
+    """(y, mean, rstd): the convolution normalised over each example's (L, C) plane (biased
+    variance from the squared deviations), in x's dtype; mean and rstd [N]."""
+    return _normalise(dilated_conv(x, conv_weight, dilation), eps)
+
+
+def _normalise(conv, eps):
+    mean = conv.mean(dim=(1, 2), keepdim=True)
+    var = (conv - mean).square().mean(dim=(1, 2), keepdim=True)
+    rstd = (var + eps).rsqrt()
+    return (conv - mean) * rstd, mean.flatten(), rstd.flatten()
+
+
+def cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale=0.15,
+                eps=1e-3):
+    """out = x + residual_scale * GELU_tanh(dilated_conv_norm(x) @ linear1_weight^T)
+    @ linear2_weight^T, every step in x's dtype (the weights cast to it)."""
+    y = dilated_conv_norm(x, conv_weight, dilation, eps)[0]
+    return x + _mlp(y, linear1_weight, linear2_weight, residual_scale)
+
+
+def _mlp(y, linear1_weight, linear2_weight, residual_scale):
+    h = F.gelu(y @ linear1_weight.to(y.dtype).mT, approximate="tanh")
+    return residual_scale * (h @ linear2_weight.to(y.dtype).mT)
+
+
+def _grads(fn, grad_out, inputs):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    with torch.enable_grad():
+        out = fn(*leaves)
+    return torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+
+
+def dilated_conv_norm_backward(grad_y, x, conv_weight, dilation, eps=1e-3):
+    """(grad_x, grad_conv_weight): autograd through dilated_conv_norm's y."""
+    return _grads(lambda a, w: dilated_conv_norm(a, w, dilation, eps)[0], grad_y, (x, conv_weight))
+
+
+def cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight, dilation,
+                         residual_scale=0.15, eps=1e-3):
+    """(grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight): autograd through
+    cheri_block (float64 inputs give the reference gradients)."""
+    return _grads(lambda *a: cheri_block(*a, dilation, residual_scale, eps), grad_out,
+                  (x, conv_weight, linear1_weight, linear2_weight))
+
+
+def conv_weight_grad_abs(grad_out, x, conv_weight, dilation, linear1_weight=None,
+                         linear2_weight=None, residual_scale=0.15, eps=1e-3):
+    """sum over n, l of |dconv[n, l, c]| |x[n, l + (k - 1) d, c]| in float64, the magnitude behind
+    each element of the conv weight's gradient (dconv the gradient of the convolution's output),
+    of dilated_conv_norm, or of cheri_block when the Linear weights are given. The normalisation
+    makes dconv nearly orthogonal to the convolution, so the gradient itself can be far smaller
+    than its terms (see mhc_post_abs)."""
+    x, w = x.detach().double(), conv_weight.detach().double()
+    conv = dilated_conv(x, w, dilation).requires_grad_()
+    with torch.enable_grad():
+        out = _normalise(conv, eps)[0]
+        if linear1_weight is not None:
+            out = x + _mlp(out, linear1_weight.double(), linear2_weight.double(), residual_scale)
+        (dconv,) = torch.autograd.grad(out, conv, grad_out.double())
+        leaf = w.clone().requires_grad_()
+        (scale,) = torch.autograd.grad(dilated_conv(x.abs(), leaf, dilation), leaf, dconv.abs())
+    return scale
