@@ -14,6 +14,7 @@ Op mhc_post_op();
 Op layernorm_linear_gelu_op();
 Op trimul_op();
 Op causal_attention_op();
+Op cheri_block_op();
 
 std::span<const Op> all_ops() {
   static const Op ops[] = {
@@ -21,6 +22,7 @@ std::span<const Op> all_ops() {
       layernorm_linear_gelu_op(),
       trimul_op(),
       causal_attention_op(),
+      cheri_block_op(),
   };
   return ops;
 }

@@ -1,0 +1,382 @@
+// The cheri_block family in `fusekit check` and `fusekit bench` (CPU only until its CUDA backend
+// lands): dilated_conv_norm forward and backward, the block's training forward, backward and
+// inference forward.
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/memory.h"
+#include "fusekit/error.h"
+#include "fusekit/ops/cheri_block.h"
+#include "ops.h"
+#include "ops/cheri_block/cheri_block_reference.h"
+#include "testing/host_tensor.h"
+
+namespace fusekit::tools {
+
+namespace {
+
+using testing::DeviceTensor;
+using testing::HostTensor;
+using testing::Layout;
+
+constexpr const char* kOp = "cheri_block";
+constexpr DType kF32 = DType::Float32, kBF16 = DType::BFloat16, kF16 = DType::Float16;
+
+// ---------------------------------------------------------------------------------- layouts
+
+enum class LayoutKind {
+  Contiguous,
+  Lnc,         // [L, N, C] in memory viewed as [N, L, C]; weights transposed in memory
+  Misaligned,  // every base pointer one element past an aligned address
+  Padded,      // gaps after every row
+};
+
+const char* layout_name(LayoutKind kind) {
+  switch (kind) {
+    case LayoutKind::Contiguous: return "contiguous";
+    case LayoutKind::Lnc: return "lnc weights^T";
+    case LayoutKind::Misaligned: return "misaligned";
+    case LayoutKind::Padded: return "padded";
+  }
+  throw Error("check: unknown cheri_block layout");
+}
+
+// The layout of a tensor of `ndim` dims: 3 ([N, L, C]), 2 (a weight) or 1 (mean, rstd).
+Layout layout_for(LayoutKind kind, int ndim) {
+  switch (kind) {
+    case LayoutKind::Contiguous: return {};
+    case LayoutKind::Lnc:
+      if (ndim == 3) return {.order = {1, 0, 2}};
+      if (ndim == 2) return {.order = {1, 0}};
+      return {};
+    case LayoutKind::Misaligned: return {.order = {}, .offset_elements = 1};
+    case LayoutKind::Padded: return {.order = {}, .pad_inner = ndim == 1 ? 0 : 3};
+  }
+  throw Error("check: unknown cheri_block layout");
+}
+
+// ---------------------------------------------------------------------------------- check
+
+struct CheckCase {
+  std::int64_t n, l, c, expansion, dilation;
+  DType dtype;
+  DType weight_dtype = kF32;
+  LayoutKind layout = LayoutKind::Contiguous;
+};
+
+// An empty batch; L = 1; C of 1 to 128; dilations 1 to 256 (d >= L too); E of 1, 2 and 4; weights
+// in x's dtype; every layout; the model's C = 128, d = 4 at a few hundred positions. Kept small
+// enough for the float64 reference.
+const std::vector<CheckCase> kCases = {
+    {0, 16, 8, 2, 1, kF32},
+    {3, 1, 3, 2, 4, kF32},
+    {2, 9, 1, 4, 2, kBF16},
+    {2, 7, 48, 2, 7, kF16},
+    {2, 33, 80, 2, 64, kF32},
+    {2, 300, 16, 1, 256, kBF16},
+    {2, 256, 128, 2, 4, kF32},
+    {2, 256, 128, 2, 4, kBF16, kBF16},
+    {2, 200, 64, 4, 8, kF16, kF16},
+    {3, 100, 32, 2, 3, kF32, kF32, LayoutKind::Lnc},
+    {3, 100, 32, 2, 3, kBF16, kF32, LayoutKind::Misaligned},
+    {3, 100, 33, 2, 5, kF16, kF32, LayoutKind::Padded},
+};
+
+testing::Tolerance elementwise(DType dtype) {
+  double u = 0;
+  switch (dtype) {
+    case DType::Float32: u = 0; break;
+    case DType::BFloat16: u = 0x1p-8; break;
+    case DType::Float16: u = 0x1p-11; break;
+    default: throw Error(detail::concat("check: no tolerance for dtype ", to_string(dtype)));
+  }
+  return {.atol = 1e-5, .rtol = u + 1e-5, .rel = u + 1e-5};
+}
+
+const testing::Tolerance kStatTolerance{.atol = 1e-6, .rtol = 1e-6, .rel = 1e-6};
+
+// The weight gradients: sums over N L rows, rounded to the weight's dtype.
+testing::Tolerance weight_grad_tolerance(const CheckCase& c) {
+  testing::Tolerance t = elementwise(c.weight_dtype);
+  t.atol = 1e-5 * std::sqrt(static_cast<double>(std::max<std::int64_t>(1, c.n * c.l)));
+  return t;
+}
+
+std::string shape_name(const CheckCase& c) {
+  return fmt::format("N{} L{} C{} E{} d{}", c.n, c.l, c.c, c.expansion, c.dilation);
+}
+
+std::string layout_text(const CheckCase& c) {
+  std::string text = layout_name(c.layout);
+  if (c.weight_dtype != kF32) text += fmt::format(" w:{}", to_string(c.weight_dtype));
+  return text;
+}
+
+struct Inputs {
+  HostTensor x, grad_out;  // [N, L, C]
+  testing::CheriHostWeights w;
+  HostTensor mean, rstd;  // [N], the float64 forward's rounded to float32
+};
+
+Inputs random_inputs(const CheckCase& c, std::mt19937_64& rng) {
+  Inputs in;
+  const std::int64_t hidden = c.expansion * c.c;
+  in.x = testing::random_normal({c.n, c.l, c.c}, rng);
+  in.grad_out = testing::random_normal({c.n, c.l, c.c}, rng);
+  in.w.conv_weight = testing::random_normal({3, c.c}, rng);
+  in.w.linear1 = testing::random_normal({hidden, c.c}, rng, 1.0 / std::sqrt(double(c.c)));
+  in.w.linear2 = testing::random_normal({c.c, hidden}, rng, 1.0 / std::sqrt(double(hidden)));
+  testing::round_to(in.x, c.dtype);
+  testing::round_to(in.grad_out, c.dtype);
+  for (HostTensor* t : {&in.w.conv_weight, &in.w.linear1, &in.w.linear2}) {
+    testing::round_to(*t, c.weight_dtype);
+  }
+  const testing::ConvNormResult norm =
+      testing::dilated_conv_norm_reference(in.x, in.w.conv_weight, c.dilation, 1e-3);
+  in.mean = norm.mean;
+  in.rstd = norm.rstd;
+  testing::round_to(in.mean, kF32);
+  testing::round_to(in.rstd, kF32);
+  return in;
+}
+
+// The inputs on a device, and poisoned outputs of every pass.
+struct Tensors {
+  DeviceTensor x, grad_out, conv_weight, linear1, linear2, mean_in, rstd_in;
+  std::vector<DeviceTensor> outs;
+
+  CheriBlockWeights weights() const { return {conv_weight.view, linear1.view, linear2.view}; }
+};
+
+Tensors upload_inputs(const Inputs& in, const CheckCase& c, Device device) {
+  auto up = [&](const HostTensor& t, DType dtype) {
+    return testing::upload(t, dtype, device, layout_for(c.layout, static_cast<int>(t.shape.size())));
+  };
+  return {up(in.x, c.dtype),        up(in.grad_out, c.dtype),   up(in.w.conv_weight, c.weight_dtype),
+          up(in.w.linear1, c.weight_dtype), up(in.w.linear2, c.weight_dtype),
+          up(in.mean, kF32),        up(in.rstd, kF32),          {}};
+}
+
+DeviceTensor empty(const CheckCase& c, std::vector<std::int64_t> shape, DType dtype, Device device) {
+  const int ndim = static_cast<int>(shape.size());
+  return testing::empty_poisoned(shape, dtype, device, layout_for(c.layout, ndim));
+}
+
+void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rng) {
+  const Inputs in = random_inputs(c, rng);
+  const std::int64_t hidden = c.expansion * c.c;
+  const std::vector<std::int64_t> act{c.n, c.l, c.c};
+  const DilatedConvNormOptions conv_options{c.dilation, 1e-3};
+  CheriBlockOptions options;
+  options.dilation = c.dilation;
+  const testing::Tolerance tol = elementwise(c.dtype), wtol = weight_grad_tolerance(c);
+  const std::string shape = shape_name(c), layout = layout_text(c);
+
+  const testing::ConvNormResult norm =
+      testing::dilated_conv_norm_reference(in.x, in.w.conv_weight, c.dilation, 1e-3);
+  ctx.runner->run(
+      {"dilated_conv_norm", "forward", shape, layout, c.dtype},
+      [&](Device device) {
+        Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        outs.push_back(empty(c, act, c.dtype, device));
+        outs.push_back(empty(c, {c.n}, kF32, device));
+        outs.push_back(empty(c, {c.n}, kF32, device));
+        dilated_conv_norm(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.conv_weight.view,
+                          conv_options);
+        detail::synchronize(device);
+        return outs;
+      },
+      {{"y", norm.y, tol}, {"mean", norm.mean, kStatTolerance}, {"rstd", norm.rstd, kStatTolerance}});
+
+  const testing::ConvNormGradients conv_grads = testing::dilated_conv_norm_backward_reference(
+      in.grad_out, in.x, in.w.conv_weight, in.mean, in.rstd, c.dilation);
+  ctx.runner->run(
+      {"dilated_conv_norm", "backward", shape, layout, c.dtype},
+      [&](Device device) {
+        Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        outs.push_back(empty(c, act, c.dtype, device));
+        outs.push_back(empty(c, {3, c.c}, c.weight_dtype, device));
+        dilated_conv_norm_backward(outs[0].view, outs[1].view, t.grad_out.view, t.x.view,
+                                   t.conv_weight.view, t.mean_in.view, t.rstd_in.view,
+                                   conv_options);
+        detail::synchronize(device);
+        return outs;
+      },
+      {{"grad_x", conv_grads.grad_x, tol}, {"grad_conv_weight", conv_grads.grad_conv_weight, wtol}});
+
+  const testing::CheriBlockResult block =
+      testing::cheri_block_reference(in.x, in.w, c.dilation, options.residual_scale, 1e-3);
+  ctx.runner->run(
+      {kOp, "forward", shape, layout, c.dtype},
+      [&](Device device) {
+        Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        outs.push_back(empty(c, act, c.dtype, device));
+        outs.push_back(empty(c, {c.n}, kF32, device));
+        outs.push_back(empty(c, {c.n}, kF32, device));
+        cheri_block(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.weights(), options);
+        detail::synchronize(device);
+        return outs;
+      },
+      {{"out", block.out, tol}, {"mean", block.mean, kStatTolerance},
+       {"rstd", block.rstd, kStatTolerance}});
+  ctx.runner->run(
+      {kOp, "inference", shape, layout, c.dtype},
+      [&](Device device) {
+        Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        outs.push_back(empty(c, act, c.dtype, device));
+        cheri_block_inference(outs[0].view, t.x.view, t.weights(), options);
+        detail::synchronize(device);
+        return outs;
+      },
+      {{"out", block.out, tol}});
+
+  const testing::CheriBlockGradients grads = testing::cheri_block_backward_reference(
+      in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, options.residual_scale);
+  ctx.runner->run(
+      {kOp, "backward", shape, layout, c.dtype},
+      [&](Device device) {
+        Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        outs.push_back(empty(c, act, c.dtype, device));
+        outs.push_back(empty(c, {3, c.c}, c.weight_dtype, device));
+        outs.push_back(empty(c, {hidden, c.c}, c.weight_dtype, device));
+        outs.push_back(empty(c, {c.c, hidden}, c.weight_dtype, device));
+        cheri_block_backward(outs[0].view, {outs[1].view, outs[2].view, outs[3].view},
+                             t.grad_out.view, t.x.view, t.weights(), t.mean_in.view,
+                             t.rstd_in.view, options);
+        detail::synchronize(device);
+        return outs;
+      },
+      {{"grad_x", grads.grad_x, tol},
+       {"grads.conv_weight", grads.grads.conv_weight, wtol},
+       {"grads.linear1_weight", grads.grads.linear1, wtol},
+       {"grads.linear2_weight", grads.grads.linear2, wtol}});
+}
+
+// Each case draws from its own generator, so that its inputs depend only on the seed and the case.
+std::mt19937_64 case_rng(std::uint64_t seed, std::size_t index) {
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    std::uint32_t{0}, static_cast<std::uint32_t>(index)};
+  return std::mt19937_64(seq);
+}
+
+void check(const CheckContext& ctx) {
+  for (std::size_t i = 0; i < kCases.size(); ++i) {
+    std::mt19937_64 rng = case_rng(ctx.seed, i);
+    check_case(ctx, kCases[i], rng);
+  }
+}
+
+// ---------------------------------------------------------------------------------- bench
+
+struct BenchCase {
+  std::int64_t n, l, c, dilation;
+  DType dtype;
+  bool training = false;  // forward and backward, else the inference forward
+  bool on_cpu = false;    // the CPU run stays at a few seconds in all
+  bool quick = false;     // one of the few rows of --quick
+};
+
+constexpr std::int64_t kExpansion = 2;  // the model's E
+
+// The model's shapes (C = 128, E = 2, d = 4): inference over N512 L1024 in float32 and bfloat16
+// and over N64 L2114 in float32; training (forward and backward) over both in float32. On the
+// CPU the same rows with N = 8 instead.
+const std::vector<BenchCase> kBenchCases = {
+    {512, 1024, 128, 4, kF32, false, false, true},
+    {512, 1024, 128, 4, kBF16},
+    {64, 2114, 128, 4, kF32},
+    {512, 1024, 128, 4, kF32, true, false, true},
+    {64, 2114, 128, 4, kF32, true},
+    {8, 1024, 128, 4, kF32, false, true, true},
+    {8, 1024, 128, 4, kBF16, false, true},
+    {8, 1024, 128, 4, kF32, true, true, true},
+};
+
+std::string bench_shape_name(const BenchCase& c) {
+  return fmt::format("N{} L{} C{} E{} d{}", c.n, c.l, c.c, kExpansion, c.dilation);
+}
+
+void bench(const BenchContext& ctx) {
+  const Device device = ctx.device;
+  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
+    const BenchCase& c = kBenchCases[i];
+    if (ctx.quick && !c.quick) continue;
+    if ((device.kind == DeviceKind::CPU) != c.on_cpu) continue;
+    const std::uint64_t seed = 16 * i;
+    const std::int64_t hidden = kExpansion * c.c;
+    const std::vector<std::int64_t> act{c.n, c.l, c.c};
+    const DeviceTensor x = testing::upload(bench_input(act, seed), c.dtype, device);
+    const DeviceTensor conv = testing::upload(bench_input({3, c.c}, seed + 1), kF32, device);
+    HostTensor w1 = bench_input({hidden, c.c}, seed + 2), w2 = bench_input({c.c, hidden}, seed + 3);
+    for (double& v : w1.values) v /= std::sqrt(double(c.c));
+    for (double& v : w2.values) v /= std::sqrt(double(hidden));
+    const DeviceTensor l1 = testing::upload(w1, kF32, device), l2 = testing::upload(w2, kF32, device);
+    const CheriBlockWeights weights{conv.view, l1.view, l2.view};
+    const DeviceTensor out = testing::empty_poisoned(act, c.dtype, device);
+    CheriBlockOptions options;
+    options.dilation = c.dilation;
+
+    const auto rows = static_cast<double>(c.n * c.l);
+    const double act_bytes = rows * static_cast<double>(c.c * element_size(c.dtype));
+    const double product_flops = 2 * rows * static_cast<double>(c.c * hidden);
+    BenchRow row{kOp, c.training ? "fwd+bwd" : "inference", bench_shape_name(c), c.dtype, device};
+    if (!c.training) {
+      const detail::Timing t = detail::time_it(device, {}, [&] {
+        cheri_block_inference(out.view, x.view, weights, options);
+      }, ctx.timer);
+      row.set_timing(t);
+      row.bytes = 2 * act_bytes;         // x read, out written once
+      row.flops = 2 * product_flops;     // the two products
+    } else {
+      const DeviceTensor grad_out = testing::upload(bench_input(act, seed + 4), c.dtype, device);
+      const DeviceTensor grad_x = testing::empty_poisoned(act, c.dtype, device);
+      const DeviceTensor mean = testing::empty_poisoned({c.n}, kF32, device);
+      const DeviceTensor rstd = testing::empty_poisoned({c.n}, kF32, device);
+      const DeviceTensor g_conv = testing::empty_poisoned({3, c.c}, kF32, device);
+      const DeviceTensor g_l1 = testing::empty_poisoned({hidden, c.c}, kF32, device);
+      const DeviceTensor g_l2 = testing::empty_poisoned({c.c, hidden}, kF32, device);
+      const detail::Timing t = detail::time_it(device, {}, [&] {
+        cheri_block(out.view, mean.view, rstd.view, x.view, weights, options);
+        cheri_block_backward(grad_x.view, {g_conv.view, g_l1.view, g_l2.view}, grad_out.view,
+                             x.view, weights, mean.view, rstd.view, options);
+      }, ctx.timer);
+      row.set_timing(t);
+      row.bytes = 5 * act_bytes;      // x, out; x again, grad_out, grad_x
+      row.flops = 8 * product_flops;  // 2 forward; h again and 5 more in the backward
+    }
+    ctx.record(row);
+  }
+}
+
+}  // namespace
+
+Op cheri_block_op() {
+  return {
+      .name = kOp,
+      .summary = "Cheri block (dilated depthwise conv, per-example norm, GELU MLP, scaled "
+                 "residual) and dilated_conv_norm, forward and backward; CPU only for now",
+      .bench_shapes =
+          "cheri_block, C128 E2 d4, float32 weights: inference N512 L1024 float32 and bfloat16, "
+          "N64 L2114 float32; training forward + backward N512 L1024 and N64 L2114 float32 (those "
+          "on CUDA devices). On the CPU: N8 L1024 inference float32 and bfloat16, training "
+          "float32. Bytes: the [N, L, C] tensors once per pass; TFLOP/s: the products, "
+          "2 N L C E C each (2 for inference, 8 for training). --quick: N512 L1024 float32 "
+          "inference and training (CPU: N8 float32 inference and training). No CUDA backend yet: "
+          "skipped on CUDA devices.",
+      .check = check,
+      .bench = bench,
+      .has_cuda_backend = false,
+  };
+}
+
+}  // namespace fusekit::tools
