@@ -14,7 +14,8 @@
 //   conv_weight [3, C], linear1_weight [E C, C], linear2_weight [C, E C]: float32 or x's dtype,
 //   any strides; their gradients have the weight's shape and dtype
 //   mean, rstd [N]: float32 (what the training forward keeps for the backward)
-// All tensors live on one device.
+// All tensors live on one device. N = 0: the forwards write nothing; the backwards write zero
+// weight gradients (sums over no examples).
 //
 // Precision: statistics in float32 from two passes (the mean, then squared deviations), never
 // E[y^2] - mean^2. The training path's two products use TF32 tensor cores for float32 inputs when
