@@ -33,13 +33,20 @@ inline void PrintTo(const LolaCase& c, std::ostream* os) {
 
 inline std::string lola_case_name(const LolaCase& c) {
   std::string s = "M";
-  for (std::size_t d = 0; d < c.lead.size(); ++d) s += (d ? "x" : "") + std::to_string(c.lead[d]);
-  s += "_K" + std::to_string(c.k) + "_N" + std::to_string(c.nout);
+  for (std::size_t d = 0; d < c.lead.size(); ++d) {
+    if (d) s += 'x';
+    s += std::to_string(c.lead[d]);
+  }
+  s += "_K";
+  s += std::to_string(c.k);
+  s += "_N";
+  s += std::to_string(c.nout);
   if (!c.bias) s += "_nobias";
   if (c.affine) s += "_affine";
   if (c.approximate == GeluApproximation::None) s += "_erf";
   if (c.mean != 0) {
-    s += std::string(c.mean < 0 ? "_mean_minus" : "_mean") + std::to_string(static_cast<int>(std::abs(c.mean)));
+    s += c.mean < 0 ? "_mean_minus" : "_mean";
+    s += std::to_string(static_cast<int>(std::abs(c.mean)));
   }
   return s;
 }
