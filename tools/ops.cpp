@@ -27,6 +27,12 @@ std::span<const Op> all_ops() {
   return ops;
 }
 
+std::mt19937_64 case_rng(std::uint64_t seed, std::uint32_t pass, std::size_t index) {
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32), pass,
+                    static_cast<std::uint32_t>(index)};
+  return std::mt19937_64(seq);
+}
+
 testing::HostTensor bench_input(std::vector<std::int64_t> shape, std::uint64_t seed) {
   testing::HostTensor t(std::move(shape));
   const auto count = static_cast<std::int64_t>(t.values.size());

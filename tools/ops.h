@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -32,6 +33,17 @@ struct BenchContext {
   std::function<void(BenchRow)> record;  // prints the row and keeps it for the table and JSON
 };
 
+/// Runs `bench_case(cases[i], seed)` for every row this run times: under --quick only the rows
+/// marked quick, on the CPU only those marked on_cpu. A row's inputs take seeds from 16 i upwards.
+template <class Case, class BenchCase>
+void bench_each(const BenchContext& ctx, const std::vector<Case>& cases, BenchCase bench_case) {
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    if ((ctx.quick && !c.quick) || (ctx.device.kind == DeviceKind::CPU && !c.on_cpu)) continue;
+    bench_case(c, std::uint64_t{16} * i);
+  }
+}
+
 struct Op {
   std::string_view name;
   std::string_view summary;
@@ -45,6 +57,20 @@ struct Op {
 
 /// Every registered operator, in the order check and bench run them.
 std::span<const Op> all_ops();
+
+/// The generator of check case `index` of `pass`: each case draws from its own, so that its inputs
+/// depend only on the seed and the case, not on which operators or cases ran before it.
+std::mt19937_64 case_rng(std::uint64_t seed, std::uint32_t pass, std::size_t index);
+
+/// Runs `check_case(ctx, cases[i], rng)` for every case, each with case_rng(ctx.seed, pass, i).
+template <class Case, class CheckCase>
+void check_each(const CheckContext& ctx, const std::vector<Case>& cases, CheckCase check_case,
+                std::uint32_t pass = 0) {
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    std::mt19937_64 rng = case_rng(ctx.seed, pass, i);
+    check_case(ctx, cases[i], rng);
+  }
+}
 
 /// Inputs for benchmarks: uniform values of unit variance, never all zeros, a pure function of
 /// `seed` and filled in parallel, so that large tensors take little of the run.

@@ -220,19 +220,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
                    {"lse", reshaped(std::move(reference.lse), lse_shape), lse_tolerance(c)}});
 }
 
-// Each case draws from its own generator, so that its inputs depend only on the seed and the case.
-std::mt19937_64 case_rng(std::uint64_t seed, std::size_t index) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    std::uint32_t{0}, static_cast<std::uint32_t>(index)};
-  return std::mt19937_64(seq);
-}
-
-void check(const CheckContext& ctx) {
-  for (std::size_t i = 0; i < kCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, i);
-    check_case(ctx, kCases[i], rng);
-  }
-}
+void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
 
 // ---------------------------------------------------------------------------------- bench
 
@@ -258,10 +246,7 @@ std::string bench_shape_name(const BenchCase& c) {
 
 void bench(const BenchContext& ctx) {
   const Device device = ctx.device;
-  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
-    const BenchCase& c = kBenchCases[i];
-    if ((ctx.quick && !c.quick) || (device.kind == DeviceKind::CPU && !c.on_cpu)) continue;
-    const std::uint64_t seed = 16 * i;
+  bench_each(ctx, kBenchCases, [&](const BenchCase& c, std::uint64_t seed) {
     const std::vector<std::int64_t> shape{c.b, c.h, c.t, c.d};
     const DeviceTensor q = testing::upload(bench_input(shape, seed), c.dtype, device);
     const DeviceTensor k = testing::upload(bench_input(shape, seed + 1), c.dtype, device);
@@ -279,7 +264,7 @@ void bench(const BenchContext& ctx) {
     row.bytes = 4 * elements * double(element_size(c.dtype));  // q, k, v and out once
     row.flops = 2 * b * h * tt * tt * d;  // the causal half of the two products, padding counted
     ctx.record(row);
-  }
+  });
 }
 
 }  // namespace

@@ -262,19 +262,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
        {"grads.linear2_weight", grads.grads.linear2, wtol}});
 }
 
-// Each case draws from its own generator, so that its inputs depend only on the seed and the case.
-std::mt19937_64 case_rng(std::uint64_t seed, std::size_t index) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    std::uint32_t{0}, static_cast<std::uint32_t>(index)};
-  return std::mt19937_64(seq);
-}
-
-void check(const CheckContext& ctx) {
-  for (std::size_t i = 0; i < kCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, i);
-    check_case(ctx, kCases[i], rng);
-  }
-}
+void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
 
 // ---------------------------------------------------------------------------------- bench
 
@@ -308,11 +296,8 @@ std::string bench_shape_name(const BenchCase& c) {
 
 void bench(const BenchContext& ctx) {
   const Device device = ctx.device;
-  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
-    const BenchCase& c = kBenchCases[i];
-    if (ctx.quick && !c.quick) continue;
-    if ((device.kind == DeviceKind::CPU) != c.on_cpu) continue;
-    const std::uint64_t seed = 16 * i;
+  bench_each(ctx, kBenchCases, [&](const BenchCase& c, std::uint64_t seed) {
+    if (device.kind != DeviceKind::CPU && c.on_cpu) return;  // the CPU's smaller rows
     const std::int64_t hidden = kExpansion * c.c;
     const std::vector<std::int64_t> act{c.n, c.l, c.c};
     const DeviceTensor x = testing::upload(bench_input(act, seed), c.dtype, device);
@@ -355,7 +340,7 @@ void bench(const BenchContext& ctx) {
       row.flops = 8 * product_flops;  // 2 forward; h again and 5 more in the backward
     }
     ctx.record(row);
-  }
+  });
 }
 
 }  // namespace

@@ -292,19 +292,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
                   {{"out", std::move(reference), tolerance(c)}});
 }
 
-// Each case draws from its own generator, so that its inputs depend only on the seed and the case.
-std::mt19937_64 case_rng(std::uint64_t seed, std::size_t index) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    std::uint32_t{0}, static_cast<std::uint32_t>(index)};
-  return std::mt19937_64(seq);
-}
-
-void check(const CheckContext& ctx) {
-  for (std::size_t i = 0; i < kCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, i);
-    check_case(ctx, kCases[i], rng);
-  }
-}
+void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
 
 // ---------------------------------------------------------------------------------- bench
 
@@ -339,10 +327,7 @@ DeviceTensor upload_weight(const BenchCase& c, Device device, std::uint64_t seed
 
 void bench(const BenchContext& ctx) {
   const Device device = ctx.device;
-  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
-    const BenchCase& c = kBenchCases[i];
-    if ((ctx.quick && !c.quick) || (device.kind == DeviceKind::CPU && !c.on_cpu)) continue;
-    const std::uint64_t seed = 16 * i;
+  bench_each(ctx, kBenchCases, [&](const BenchCase& c, std::uint64_t seed) {
     const DeviceTensor x = testing::upload(bench_input({c.m, c.k}, seed), kBenchDType, device);
     const DeviceTensor weight = upload_weight(c, device, seed + 1);
     const DeviceTensor bias = testing::upload(bench_input({c.nout}, seed + 2), kBenchDType, device);
@@ -358,7 +343,7 @@ void bench(const BenchContext& ctx) {
     row.bytes = (m * k + nout * k + nout + m * nout) * double(element_size(kBenchDType));
     row.flops = 2 * m * k * nout;
     ctx.record(row);
-  }
+  });
 }
 
 }  // namespace

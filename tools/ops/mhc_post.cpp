@@ -233,23 +233,9 @@ void check_backward(const CheckContext& ctx, const CheckCase& c, std::mt19937_64
                    {"grad_comb_res_mix", std::move(ref.grad_comb), reduction_tolerance(c.h)}});
 }
 
-// Each case draws from its own generator, so that a case's inputs depend only on the seed and
-// the case, not on which operators or cases ran before it.
-std::mt19937_64 case_rng(std::uint64_t seed, std::uint32_t pass, std::size_t index) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32), pass,
-                    static_cast<std::uint32_t>(index)};
-  return std::mt19937_64(seq);
-}
-
 void check(const CheckContext& ctx) {
-  for (std::size_t i = 0; i < kForwardCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, 0, i);
-    check_forward(ctx, kForwardCases[i], rng);
-  }
-  for (std::size_t i = 0; i < kBackwardCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, 1, i);
-    check_backward(ctx, kBackwardCases[i], rng);
-  }
+  check_each(ctx, kForwardCases, check_forward, 0);
+  check_each(ctx, kBackwardCases, check_backward, 1);
 }
 
 // ---------------------------------------------------------------------------------- bench
@@ -282,10 +268,7 @@ DeviceTensor upload_random(std::vector<std::int64_t> shape, DType dtype, Device 
 
 void bench(const BenchContext& ctx) {
   const Device device = ctx.device;
-  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
-    const BenchCase& c = kBenchCases[i];
-    if ((ctx.quick && !c.quick) || (device.kind == DeviceKind::CPU && !c.on_cpu)) continue;
-    const std::uint64_t seed = 16 * i;
+  bench_each(ctx, kBenchCases, [&](const BenchCase& c, std::uint64_t seed) {
     const DeviceTensor x = upload_random({c.n, c.h}, kBenchDType, device, seed);
     const DeviceTensor residual = upload_random({c.n, c.hc, c.h}, kBenchDType, device, seed + 1);
     const DeviceTensor post = upload_random({c.n, c.hc, 1}, kF32, device, seed + 2);
@@ -320,7 +303,7 @@ void bench(const BenchContext& ctx) {
     }
     row.set_timing(t);
     ctx.record(row);
-  }
+  });
 }
 
 }  // namespace

@@ -293,19 +293,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
                   {{"out", std::move(reference), tol}});
 }
 
-// Each case draws from its own generator, so that its inputs depend only on the seed and the case.
-std::mt19937_64 case_rng(std::uint64_t seed, std::size_t index) {
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    std::uint32_t{0}, static_cast<std::uint32_t>(index)};
-  return std::mt19937_64(seq);
-}
-
-void check(const CheckContext& ctx) {
-  for (std::size_t i = 0; i < kCases.size(); ++i) {
-    std::mt19937_64 rng = case_rng(ctx.seed, i);
-    check_case(ctx, kCases[i], rng);
-  }
-}
+void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
 
 // ---------------------------------------------------------------------------------- bench
 
@@ -346,10 +334,7 @@ DeviceTensor upload_scaled(std::vector<std::int64_t> shape, double stddev, Devic
 
 void bench(const BenchContext& ctx) {
   const Device device = ctx.device;
-  for (std::size_t i = 0; i < kBenchCases.size(); ++i) {
-    const BenchCase& c = kBenchCases[i];
-    if ((ctx.quick && !c.quick) || (device.kind == DeviceKind::CPU && !c.on_cpu)) continue;
-    const std::uint64_t seed = 16 * i;
+  bench_each(ctx, kBenchCases, [&](const BenchCase& c, std::uint64_t seed) {
     const std::int64_t h = kBenchHidden;
     HostTensor x = bench_input({c.b, c.n, c.n, c.c}, seed);
     if (c.cauchy) {
@@ -397,7 +382,7 @@ void bench(const BenchContext& ctx) {
     row.bytes = (2 * m * cc + (c.mask ? m : 0) + 6 * hh * cc + 2 * cc + 2 * hh) * 4.0;
     row.flops = 2 * m * cc * 5 * hh + 2 * b * hh * n * n * n + 2 * m * hh * cc;
     ctx.record(row);
-  }
+  });
 }
 
 }  // namespace
