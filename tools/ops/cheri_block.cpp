@@ -145,10 +145,9 @@ Inputs random_inputs(const CheckCase& c, std::mt19937_64& rng) {
   return in;
 }
 
-// The inputs on a device, and poisoned outputs of every pass.
+// The inputs on a device.
 struct Tensors {
   DeviceTensor x, grad_out, conv_weight, linear1, linear2, mean_in, rstd_in;
-  std::vector<DeviceTensor> outs;
 
   CheriBlockWeights weights() const { return {conv_weight.view, linear1.view, linear2.view}; }
 };
@@ -157,14 +156,39 @@ Tensors upload_inputs(const Inputs& in, const CheckCase& c, Device device) {
   auto up = [&](const HostTensor& t, DType dtype) {
     return testing::upload(t, dtype, device, layout_for(c.layout, static_cast<int>(t.shape.size())));
   };
-  return {up(in.x, c.dtype),        up(in.grad_out, c.dtype),   up(in.w.conv_weight, c.weight_dtype),
-          up(in.w.linear1, c.weight_dtype), up(in.w.linear2, c.weight_dtype),
-          up(in.mean, kF32),        up(in.rstd, kF32),          {}};
+  return {up(in.x, c.dtype),           up(in.grad_out, c.dtype),
+          up(in.w.conv_weight, c.weight_dtype), up(in.w.linear1, c.weight_dtype),
+          up(in.w.linear2, c.weight_dtype), up(in.mean, kF32),
+          up(in.rstd, kF32)};
 }
 
-DeviceTensor empty(const CheckCase& c, std::vector<std::int64_t> shape, DType dtype, Device device) {
-  const int ndim = static_cast<int>(shape.size());
-  return testing::empty_poisoned(shape, dtype, device, layout_for(c.layout, ndim));
+// One output of a pass: its shape and dtype, made poisoned in the case's layout.
+struct OutSpec {
+  std::vector<std::int64_t> shape;
+  DType dtype;
+};
+
+// Runs one pass as a check case: uploads the inputs, makes the poisoned outputs of `out_specs` and
+// hands both to `call`, which runs the pass into them.
+template <class Call>
+void run_pass(const CheckContext& ctx, const CaseInfo& info, const Inputs& in, const CheckCase& c,
+              const std::vector<OutSpec>& out_specs, Call call,
+              const std::vector<ExpectedOutput>& expected) {
+  ctx.runner->run(
+      info,
+      [&](Device device) {
+        const Tensors t = upload_inputs(in, c, device);
+        std::vector<DeviceTensor> outs;
+        for (const OutSpec& o : out_specs) {
+          const int ndim = static_cast<int>(o.shape.size());
+          outs.push_back(
+              testing::empty_poisoned(o.shape, o.dtype, device, layout_for(c.layout, ndim)));
+        }
+        call(t, outs);
+        detail::synchronize(device);
+        return outs;
+      },
+      expected);
 }
 
 void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rng) {
@@ -176,85 +200,58 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
   options.dilation = c.dilation;
   const testing::Tolerance tol = elementwise(c.dtype), wtol = weight_grad_tolerance(c);
   const std::string shape = shape_name(c), layout = layout_text(c);
+  using Outs = std::vector<DeviceTensor>;
 
   const testing::ConvNormResult norm =
       testing::dilated_conv_norm_reference(in.x, in.w.conv_weight, c.dilation, 1e-3);
-  ctx.runner->run(
-      {"dilated_conv_norm", "forward", shape, layout, c.dtype},
-      [&](Device device) {
-        Tensors t = upload_inputs(in, c, device);
-        std::vector<DeviceTensor> outs;
-        outs.push_back(empty(c, act, c.dtype, device));
-        outs.push_back(empty(c, {c.n}, kF32, device));
-        outs.push_back(empty(c, {c.n}, kF32, device));
+  run_pass(
+      ctx, {"dilated_conv_norm", "forward", shape, layout, c.dtype}, in, c,
+      {{act, c.dtype}, {{c.n}, kF32}, {{c.n}, kF32}},
+      [&](const Tensors& t, Outs& outs) {
         dilated_conv_norm(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.conv_weight.view,
                           conv_options);
-        detail::synchronize(device);
-        return outs;
       },
       {{"y", norm.y, tol}, {"mean", norm.mean, kStatTolerance}, {"rstd", norm.rstd, kStatTolerance}});
 
   const testing::ConvNormGradients conv_grads = testing::dilated_conv_norm_backward_reference(
       in.grad_out, in.x, in.w.conv_weight, in.mean, in.rstd, c.dilation);
-  ctx.runner->run(
-      {"dilated_conv_norm", "backward", shape, layout, c.dtype},
-      [&](Device device) {
-        Tensors t = upload_inputs(in, c, device);
-        std::vector<DeviceTensor> outs;
-        outs.push_back(empty(c, act, c.dtype, device));
-        outs.push_back(empty(c, {3, c.c}, c.weight_dtype, device));
+  run_pass(
+      ctx, {"dilated_conv_norm", "backward", shape, layout, c.dtype}, in, c,
+      {{act, c.dtype}, {{3, c.c}, c.weight_dtype}},
+      [&](const Tensors& t, Outs& outs) {
         dilated_conv_norm_backward(outs[0].view, outs[1].view, t.grad_out.view, t.x.view,
                                    t.conv_weight.view, t.mean_in.view, t.rstd_in.view,
                                    conv_options);
-        detail::synchronize(device);
-        return outs;
       },
       {{"grad_x", conv_grads.grad_x, tol}, {"grad_conv_weight", conv_grads.grad_conv_weight, wtol}});
 
   const testing::CheriBlockResult block =
       testing::cheri_block_reference(in.x, in.w, c.dilation, options.residual_scale, 1e-3);
-  ctx.runner->run(
-      {kOp, "forward", shape, layout, c.dtype},
-      [&](Device device) {
-        Tensors t = upload_inputs(in, c, device);
-        std::vector<DeviceTensor> outs;
-        outs.push_back(empty(c, act, c.dtype, device));
-        outs.push_back(empty(c, {c.n}, kF32, device));
-        outs.push_back(empty(c, {c.n}, kF32, device));
+  run_pass(
+      ctx, {kOp, "forward", shape, layout, c.dtype}, in, c,
+      {{act, c.dtype}, {{c.n}, kF32}, {{c.n}, kF32}},
+      [&](const Tensors& t, Outs& outs) {
         cheri_block(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.weights(), options);
-        detail::synchronize(device);
-        return outs;
       },
       {{"out", block.out, tol}, {"mean", block.mean, kStatTolerance},
        {"rstd", block.rstd, kStatTolerance}});
-  ctx.runner->run(
-      {kOp, "inference", shape, layout, c.dtype},
-      [&](Device device) {
-        Tensors t = upload_inputs(in, c, device);
-        std::vector<DeviceTensor> outs;
-        outs.push_back(empty(c, act, c.dtype, device));
+  run_pass(
+      ctx, {kOp, "inference", shape, layout, c.dtype}, in, c, {{act, c.dtype}},
+      [&](const Tensors& t, Outs& outs) {
         cheri_block_inference(outs[0].view, t.x.view, t.weights(), options);
-        detail::synchronize(device);
-        return outs;
       },
       {{"out", block.out, tol}});
 
   const testing::CheriBlockGradients grads = testing::cheri_block_backward_reference(
       in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, options.residual_scale);
-  ctx.runner->run(
-      {kOp, "backward", shape, layout, c.dtype},
-      [&](Device device) {
-        Tensors t = upload_inputs(in, c, device);
-        std::vector<DeviceTensor> outs;
-        outs.push_back(empty(c, act, c.dtype, device));
-        outs.push_back(empty(c, {3, c.c}, c.weight_dtype, device));
-        outs.push_back(empty(c, {hidden, c.c}, c.weight_dtype, device));
-        outs.push_back(empty(c, {c.c, hidden}, c.weight_dtype, device));
+  run_pass(
+      ctx, {kOp, "backward", shape, layout, c.dtype}, in, c,
+      {{act, c.dtype}, {{3, c.c}, c.weight_dtype}, {{hidden, c.c}, c.weight_dtype},
+       {{c.c, hidden}, c.weight_dtype}},
+      [&](const Tensors& t, Outs& outs) {
         cheri_block_backward(outs[0].view, {outs[1].view, outs[2].view, outs[3].view},
                              t.grad_out.view, t.x.view, t.weights(), t.mean_in.view,
                              t.rstd_in.view, options);
-        detail::synchronize(device);
-        return outs;
       },
       {{"grad_x", grads.grad_x, tol},
        {"grads.conv_weight", grads.grads.conv_weight, wtol},
