@@ -117,4 +117,22 @@ void check_no_overlap(const char* op, const char* a_arg, const TensorView& a, co
                 " in memory; expected separate buffers (", a_arg, " may not alias ", b_arg, ")");
 }
 
+void check_outputs(const char* op, std::initializer_list<NamedTensor> outputs,
+                   std::initializer_list<NamedTensor> inputs) {
+  for (const auto& [name, t] : outputs) {
+    if (given(*t)) check_writable(op, name, *t);
+  }
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    if (!given(*out->second)) continue;
+    for (const auto& [name, t] : inputs) {
+      if (given(*t)) check_no_overlap(op, out->first, *out->second, name, *t);
+    }
+    for (auto other = out + 1; other != outputs.end(); ++other) {
+      if (given(*other->second)) {
+        check_no_overlap(op, out->first, *out->second, other->first, *other->second);
+      }
+    }
+  }
+}
+
 }  // namespace fusekit::detail

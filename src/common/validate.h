@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "fusekit/tensor.h"
 
@@ -15,6 +16,12 @@ struct Dim {
   const char* name;
   std::int64_t value;
 };
+
+/// An argument and its name, for the checks over several at once.
+using NamedTensor = std::pair<const char*, const TensorView*>;
+
+/// An optional argument is absent when it is an empty TensorView (no data, no dims).
+inline bool given(const TensorView& t) { return t.data != nullptr || t.ndim != 0; }
 
 /// "(8192, 1)": the strides of `t`, for messages.
 std::string strides_string(const TensorView& t);
@@ -36,5 +43,8 @@ void check_writable(const char* op, const char* arg, const TensorView& t);
 /// The memory spans of `a` and `b` do not intersect.
 void check_no_overlap(const char* op, const char* a_arg, const TensorView& a, const char* b_arg,
                       const TensorView& b);
+/// Every given output writable, apart from every given input and from every other output.
+void check_outputs(const char* op, std::initializer_list<NamedTensor> outputs,
+                   std::initializer_list<NamedTensor> inputs);
 
 }  // namespace fusekit::detail

@@ -2,7 +2,6 @@
 #include "fusekit/ops/causal_attention.h"
 
 #include <cmath>
-#include <utility>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -14,9 +13,6 @@ namespace fusekit {
 namespace {
 
 constexpr const char* kOp = "causal_attention";
-
-// An optional argument is absent when it is an empty TensorView (no data, no dims).
-bool given(const TensorView& t) { return t.data != nullptr || t.ndim != 0; }
 
 // k, v or out: as many dims as q (both forms), before any of their sizes is read.
 void check_ndim(const char* arg, const TensorView& t, const TensorView& q, const char* expected) {
@@ -78,12 +74,12 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
     detail::check_shape(kOp, "k", k, {{"B", b}, {"Hkv", hkv}, {"T", t}, {"D", d}});
     detail::check_shape(kOp, "v", v, {{"B", b}, {"Hkv", hkv}, {"T", t}, {"D", d}});
     detail::check_shape(kOp, "out", out, {{"B", b}, {"Hq", hq}, {"T", t}, {"D", d}});
-    if (given(lse)) detail::check_shape(kOp, "lse", lse, {{"B", b}, {"Hq", hq}, {"T", t}});
+    if (detail::given(lse)) detail::check_shape(kOp, "lse", lse, {{"B", b}, {"Hq", hq}, {"T", t}});
   } else {
     detail::check_shape(kOp, "k", k, {{"T", t}, {"D", d}});
     detail::check_shape(kOp, "v", v, {{"T", t}, {"D", d}});
     detail::check_shape(kOp, "out", out, {{"T", t}, {"D", d}});
-    if (given(lse)) detail::check_shape(kOp, "lse", lse, {{"T", t}});
+    if (detail::given(lse)) detail::check_shape(kOp, "lse", lse, {{"T", t}});
   }
 
   // ---- dtypes, devices, data
@@ -94,7 +90,7 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
   detail::check_same_device(kOp, "k", k, "q", q);
   detail::check_same_device(kOp, "v", v, "q", q);
   detail::check_same_device(kOp, "out", out, "q", q);
-  if (given(lse)) {
+  if (detail::given(lse)) {
     detail::check_dtype(kOp, "lse", lse, {DType::Float32});
     detail::check_same_device(kOp, "lse", lse, "q", q);
   }
@@ -104,7 +100,7 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
 
   // ---- padding and options
   const TensorView& counts = padding.per_sequence;
-  const bool per_sequence = given(counts);
+  const bool per_sequence = detail::given(counts);
   if (per_sequence) {
     FUSEKIT_CHECK(padding.all == 0, kOp, ": padding.all is ", padding.all,
                   " and padding.per_sequence is given; expected one of the two (padding.all = 0 "
@@ -126,16 +122,8 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
                 ", expected a finite value > 0 (and within float32's range)");
 
   // ---- outputs
-  detail::check_writable(kOp, "out", out);
-  if (given(lse)) detail::check_writable(kOp, "lse", lse);
-  const std::pair<const char*, const TensorView*> inputs[] = {
-      {"q", &q}, {"k", &k}, {"v", &v}, {"padding.per_sequence", &counts}};
-  for (const auto& [name, input] : inputs) {
-    if (!given(*input)) continue;
-    detail::check_no_overlap(kOp, "out", out, name, *input);
-    if (given(lse)) detail::check_no_overlap(kOp, "lse", lse, name, *input);
-  }
-  if (given(lse)) detail::check_no_overlap(kOp, "out", out, "lse", lse);
+  detail::check_outputs(kOp, {{"out", &out}, {"lse", &lse}},
+                        {{"q", &q}, {"k", &k}, {"v", &v}, {"padding.per_sequence", &counts}});
   if (b == 0 || t == 0) return;
 
   // ---- layouts
@@ -159,7 +147,7 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
   copy_strides(p.v_stride, v, t_dim);
   p.out = out.data;
   copy_strides(p.out_stride, out, t_dim);
-  if (given(lse)) {
+  if (detail::given(lse)) {
     p.lse = lse.data_as<float>();
     copy_strides(p.lse_stride, lse, t_dim);
   }

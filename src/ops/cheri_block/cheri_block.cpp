@@ -5,8 +5,6 @@
 #include "fusekit/ops/cheri_block.h"
 
 #include <cmath>
-#include <initializer_list>
-#include <utility>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -16,11 +14,6 @@
 namespace fusekit {
 
 namespace {
-
-using Named = std::pair<const char*, const TensorView*>;
-
-// An optional argument is absent when it is an empty TensorView (no data, no dims).
-bool given(const TensorView& t) { return t.data != nullptr || t.ndim != 0; }
 
 struct Sizes {
   std::int64_t n = 0, l = 0, c = 0;
@@ -120,25 +113,6 @@ void check_block_options(const char* op, const CheriBlockOptions& options) {
                 ", expected a finite value (within float32's range)");
 }
 
-// Every output (given ones only) writable, apart from every input and from each other.
-void check_outputs(const char* op, std::initializer_list<Named> outputs,
-                   std::initializer_list<Named> inputs) {
-  for (const auto& [name, t] : outputs) {
-    if (given(*t)) detail::check_writable(op, name, *t);
-  }
-  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
-    if (!given(*out->second)) continue;
-    for (const auto& [name, t] : inputs) {
-      if (given(*t)) detail::check_no_overlap(op, out->first, *out->second, name, *t);
-    }
-    for (auto other = out + 1; other != outputs.end(); ++other) {
-      if (given(*other->second)) {
-        detail::check_no_overlap(op, out->first, *out->second, other->first, *other->second);
-      }
-    }
-  }
-}
-
 detail::CheriActivation activation(const TensorView& t) {
   return {t.data, {t.strides[0], t.strides[1]}};
 }
@@ -148,7 +122,7 @@ detail::CheriMatrix matrix(const TensorView& t) {
 }
 
 detail::CheriStat stat(const TensorView& t) {
-  if (!given(t)) return {};
+  if (!detail::given(t)) return {};
   return {t.data_as<float>(), t.strides[0]};
 }
 
@@ -184,10 +158,10 @@ void dilated_conv_norm(const TensorView& y, const TensorView& mean, const Tensor
   const Sizes s = check_x(kOp, x);
   check_like_x(kOp, "y", y, x, s);
   check_conv_weight(kOp, "conv_weight", conv_weight, x, s);
-  if (given(mean)) check_stat(kOp, "mean", mean, x, s);
-  if (given(rstd)) check_stat(kOp, "rstd", rstd, x, s);
+  if (detail::given(mean)) check_stat(kOp, "mean", mean, x, s);
+  if (detail::given(rstd)) check_stat(kOp, "rstd", rstd, x, s);
   check_conv_options(kOp, options.dilation, options.eps);
-  check_outputs(kOp, {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}},
+  detail::check_outputs(kOp, {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}},
                 {{"x", &x}, {"conv_weight", &conv_weight}});
   if (s.n == 0) return;
   check_unit_stride_on_c(kOp, "x", x);
@@ -218,7 +192,7 @@ void dilated_conv_norm_backward(const TensorView& grad_x, const TensorView& grad
   check_stat(kOp, "mean", mean, x, s);
   check_stat(kOp, "rstd", rstd, x, s);
   check_conv_options(kOp, options.dilation, options.eps);
-  check_outputs(kOp, {{"grad_x", &grad_x}, {"grad_conv_weight", &grad_conv_weight}},
+  detail::check_outputs(kOp, {{"grad_x", &grad_x}, {"grad_conv_weight", &grad_conv_weight}},
                 {{"grad_y", &grad_y}, {"x", &x}, {"conv_weight", &conv_weight},
                  {"mean", &mean}, {"rstd", &rstd}});
   // N = 0 still has a result: grad_conv_weight, a sum over no examples, is zero.
@@ -251,7 +225,7 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
   check_conv_weight(kOp, "weights.conv_weight", weights.conv_weight, x, s);
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
-  check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}},
+  detail::check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}},
                 {{"x", &x},
                  {"weights.conv_weight", &weights.conv_weight},
                  {"weights.linear1_weight", &weights.linear1_weight},
@@ -291,7 +265,7 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
   check_stat(kOp, "mean", mean, x, s);
   check_stat(kOp, "rstd", rstd, x, s);
   check_block_options(kOp, options);
-  check_outputs(kOp,
+  detail::check_outputs(kOp,
                 {{"grad_x", &grad_x},
                  {"grads.conv_weight", &grads.conv_weight},
                  {"grads.linear1_weight", &grads.linear1_weight},
@@ -333,7 +307,7 @@ void cheri_block_inference(const TensorView& out, const TensorView& x,
   check_conv_weight(kOp, "weights.conv_weight", weights.conv_weight, x, s);
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
-  check_outputs(kOp, {{"out", &out}},
+  detail::check_outputs(kOp, {{"out", &out}},
                 {{"x", &x},
                  {"weights.conv_weight", &weights.conv_weight},
                  {"weights.linear1_weight", &weights.linear1_weight},

@@ -2,7 +2,6 @@
 #include "fusekit/ops/layernorm_linear_gelu.h"
 
 #include <cmath>
-#include <utility>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -14,9 +13,6 @@ namespace fusekit {
 namespace {
 
 constexpr const char* kOp = "layernorm_linear_gelu";
-
-// An optional argument is absent when it is an empty TensorView (no data, no dims).
-bool given(const TensorView& t) { return t.data != nullptr || t.ndim != 0; }
 
 // The row stride of the leading dims [0, lead_ndim) of t when they collapse to one (row-major
 // order, size-1 dims ignored); -1 when they do not.
@@ -74,7 +70,7 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   FUSEKIT_CHECK(out.shape[lead] == nout, kOp, ": out ", out.shape_string(), " has ",
                 out.shape[lead], " features in its last dim, expected Nout = ", nout,
                 " (weight is ", weight.shape_string(), ")");
-  if (given(bias)) detail::check_shape(kOp, "bias", bias, {{"Nout", nout}});
+  if (detail::given(bias)) detail::check_shape(kOp, "bias", bias, {{"Nout", nout}});
 
   // ---- dtypes, devices, data
   detail::check_dtype(kOp, "x", x, {DType::BFloat16, DType::Float16, DType::Float32});
@@ -84,13 +80,13 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   detail::check_same_device(kOp, "out", out, "x", x);
   detail::check_data(kOp, "x", x);
   detail::check_data(kOp, "weight", weight);
-  if (given(bias)) {
+  if (detail::given(bias)) {
     detail::check_same_dtype(kOp, "bias", bias, "x", x);
     detail::check_same_device(kOp, "bias", bias, "x", x);
     detail::check_data(kOp, "bias", bias);
   }
-  if (given(ln_weight)) check_ln_param("ln_weight", ln_weight, x, k);
-  if (given(ln_bias)) check_ln_param("ln_bias", ln_bias, x, k);
+  if (detail::given(ln_weight)) check_ln_param("ln_weight", ln_weight, x, k);
+  if (detail::given(ln_bias)) check_ln_param("ln_bias", ln_bias, x, k);
   FUSEKIT_CHECK(std::isfinite(options.eps) && options.eps >= 0, kOp, ": options.eps is ",
                 options.eps, ", expected a finite value >= 0");
   FUSEKIT_CHECK(options.approximate == GeluApproximation::Tanh ||
@@ -99,13 +95,9 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
                 ", expected GeluApproximation::Tanh or GeluApproximation::None");
 
   // ---- layouts (the matrix product reads weight and writes out through leading dimensions)
-  detail::check_writable(kOp, "out", out);
-  const std::pair<const char*, const TensorView*> inputs[] = {
-      {"x", &x}, {"weight", &weight}, {"bias", &bias}, {"ln_weight", &ln_weight},
-      {"ln_bias", &ln_bias}};
-  for (const auto& [name, t] : inputs) {
-    if (given(*t)) detail::check_no_overlap(kOp, "out", out, name, *t);
-  }
+  detail::check_outputs(kOp, {{"out", &out}},
+                        {{"x", &x}, {"weight", &weight}, {"bias", &bias}, {"ln_weight", &ln_weight},
+                         {"ln_bias", &ln_bias}});
   if (m == 0 || nout == 0) return;
 
   const std::int64_t out_row_stride = collapsed_row_stride(out, lead, nout);
@@ -121,7 +113,7 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
                 "row-major [K, Nout])");
   FUSEKIT_CHECK(weight.strides[0] >= 0 && weight.strides[1] >= 0, kOp, ": weight has strides ",
                 detail::strides_string(weight), "; expected non-negative strides");
-  if (given(bias)) {
+  if (detail::given(bias)) {
     FUSEKIT_CHECK(bias.strides[0] == 1 || nout == 1, kOp, ": bias has stride ", bias.strides[0],
                   ", expected a contiguous [Nout] vector");
   }
@@ -149,13 +141,13 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   FUSEKIT_CHECK(p.w_stride_k == 1 ? p.w_stride_n >= k : p.w_stride_k >= nout, kOp, ": weight ",
                 weight.shape_string(), " has strides ", detail::strides_string(weight),
                 "; its rows overlap (expected the strided axis to step past the contiguous one)");
-  p.bias = given(bias) ? bias.data : nullptr;
-  if (given(ln_weight)) {
+  p.bias = detail::given(bias) ? bias.data : nullptr;
+  if (detail::given(ln_weight)) {
     p.ln_weight = ln_weight.data;
     p.ln_weight_stride = ln_weight.strides[0];
     p.ln_weight_dtype = ln_weight.dtype;
   }
-  if (given(ln_bias)) {
+  if (detail::given(ln_bias)) {
     p.ln_bias = ln_bias.data;
     p.ln_bias_stride = ln_bias.strides[0];
     p.ln_bias_dtype = ln_bias.dtype;

@@ -2,7 +2,6 @@
 #include "fusekit/ops/trimul.h"
 
 #include <cmath>
-#include <utility>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -15,12 +14,10 @@ namespace {
 
 constexpr const char* kOp = "trimul";
 
-bool given(const TensorView& t) { return t.data != nullptr || t.ndim != 0; }
-
 // A weight: the given shape, float32 or x's dtype, on x's device, with data.
 detail::TrimulWeight check_weight(const char* arg, const TensorView& t, const TensorView& x,
                                   std::initializer_list<detail::Dim> dims) {
-  FUSEKIT_CHECK(given(t), kOp, ": weights.", arg, " is missing (an empty TensorView)");
+  FUSEKIT_CHECK(detail::given(t), kOp, ": weights.", arg, " is missing (an empty TensorView)");
   detail::check_shape(kOp, arg, t, dims);
   if (x.dtype == DType::Float32) {
     detail::check_dtype(kOp, arg, t, {DType::Float32});
@@ -55,7 +52,7 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
   FUSEKIT_CHECK(x.shape[2] == n, kOp, ": x ", x.shape_string(),
                 " is not square in its middle dims, expected [B, N, N, C]");
   FUSEKIT_CHECK(c >= 1, kOp, ": x ", x.shape_string(), " has C = 0 channels, expected C >= 1");
-  FUSEKIT_CHECK(given(weights.left_proj), kOp,
+  FUSEKIT_CHECK(detail::given(weights.left_proj), kOp,
                 ": weights.left_proj is missing (an empty TensorView)");
   FUSEKIT_CHECK(weights.left_proj.ndim == 2, kOp, ": weights.left_proj has ",
                 weights.left_proj.ndim, " dims ",
@@ -64,7 +61,7 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
   FUSEKIT_CHECK(h >= 1, kOp, ": weights.left_proj ", weights.left_proj.shape_string(),
                 " has H = 0 rows, expected H >= 1");
   detail::check_shape(kOp, "out", out, {{"B", b}, {"N", n}, {"N", n}, {"C", c}});
-  if (given(mask)) detail::check_shape(kOp, "mask", mask, {{"B", b}, {"N", n}, {"N", n}});
+  if (detail::given(mask)) detail::check_shape(kOp, "mask", mask, {{"B", b}, {"N", n}, {"N", n}});
 
   // ---- dtypes, devices, data
   detail::check_dtype(kOp, "x", x, {DType::BFloat16, DType::Float16, DType::Float32});
@@ -72,7 +69,7 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
   detail::check_same_device(kOp, "out", out, "x", x);
   detail::check_data(kOp, "x", x);
   detail::TrimulParams p;
-  if (given(mask)) {
+  if (detail::given(mask)) {
     detail::check_dtype(kOp, "mask", mask,
                         {DType::Float32, DType::Float16, DType::BFloat16, DType::Bool,
                          DType::UInt8});
@@ -101,23 +98,19 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
                 ", expected TrimulDirection::Outgoing or TrimulDirection::Incoming");
 
   // ---- layouts
-  detail::check_writable(kOp, "out", out);
-  const std::pair<const char*, const TensorView*> inputs[] = {
-      {"x", &x},
-      {"mask", &mask},
-      {"norm_weight", &weights.norm_weight},
-      {"norm_bias", &weights.norm_bias},
-      {"left_proj", &weights.left_proj},
-      {"right_proj", &weights.right_proj},
-      {"left_gate", &weights.left_gate},
-      {"right_gate", &weights.right_gate},
-      {"out_gate", &weights.out_gate},
-      {"to_out_norm_weight", &weights.to_out_norm_weight},
-      {"to_out_norm_bias", &weights.to_out_norm_bias},
-      {"to_out", &weights.to_out}};
-  for (const auto& [name, t] : inputs) {
-    if (given(*t)) detail::check_no_overlap(kOp, "out", out, name, *t);
-  }
+  detail::check_outputs(kOp, {{"out", &out}},
+                        {{"x", &x},
+                         {"mask", &mask},
+                         {"norm_weight", &weights.norm_weight},
+                         {"norm_bias", &weights.norm_bias},
+                         {"left_proj", &weights.left_proj},
+                         {"right_proj", &weights.right_proj},
+                         {"left_gate", &weights.left_gate},
+                         {"right_gate", &weights.right_gate},
+                         {"out_gate", &weights.out_gate},
+                         {"to_out_norm_weight", &weights.to_out_norm_weight},
+                         {"to_out_norm_bias", &weights.to_out_norm_bias},
+                         {"to_out", &weights.to_out}});
   if (b == 0 || n == 0) return;
   check_rows("x", x);
   check_rows("out", out);
