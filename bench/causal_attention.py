@@ -22,14 +22,14 @@ inputs' dtype (float32 GEMM without TF32 for float32), both ceilings measured in
 """
 
 import argparse
-import json
-import sys
 from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from common import (NOT_IMPLEMENTED, FloorTable, import_seed, load_fusekit, print_header,
+                    raised_note, write_json)
 from timing import bench, copy_ceiling, gemm_ceiling, rel_err
 
 SHAPES = [  # (B, H, T, D, n_padd, dtype): GPT-2 small's attention
@@ -41,7 +41,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Relative Frobenius error bounds: float32 keeps float32 accuracy (allow_tf32=False); half
 # precision allows a few roundings of the output (2^-8 for bfloat16).
 REL_ERR_BOUND = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
-NOT_IMPLEMENTED = "the CUDA backend is not implemented yet"
 
 # prepare(q, k, v, n_padd) does what a caller does once (masks, float32 copies) and returns the
 # call of no arguments that is timed, giving out [B, H, T, D]. padded: whether it computes the
@@ -55,11 +54,6 @@ def parse_shape(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected B,H,T,D,n_padd,dtype with dtype in "
                                          f"{tuple(DTYPES)}")
     return int(b), int(h), int(t), int(d), int(n_padd), dtype
-
-
-def die(message):
-    print(f"bench/causal_attention.py: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # ------------------------------------------------------------------------------ the formula
@@ -145,19 +139,16 @@ def bytes_of(b, h, t, d, dtype):
     return 4 * b * h * t * d * DTYPES[dtype].itemsize
 
 
-class Table:
+class Table(FloorTable):
     def __init__(self, copy_gbs, gemm_tflops):
-        self.copy_gbs, self.gemm_tflops, self.rows, self.floors = copy_gbs, gemm_tflops, [], {}
-        print(f"{'shape':32s} {'impl':26s} {'time us':>9s} {'TFLOP/s':>8s} {'%floor':>7s} "
-              f"{'rel err':>8s}  method")
+        super().__init__(copy_gbs, gemm_tflops, shape_width=32, impl_width=26)
 
     def add_floor(self, shape, sizes, dtype):
         """Prints the shape's floor and keeps it: the larger of its memory and compute times."""
         gemm = self.gemm_tflops["fp32" if dtype == "fp32" else "bf16"]
-        memory_us = bytes_of(*sizes, dtype) / (self.copy_gbs * 1e9) * 1e6
-        compute_us = flops_of(*sizes) / (gemm * 1e12) * 1e6
-        self.floors[shape] = max(memory_us, compute_us)
-        print(f"# {shape}: floor {self.floors[shape]:.1f} us (q, k, v and out at the copy "
+        floor_us, memory_us, compute_us = self.keep_floor(shape, bytes_of(*sizes, dtype),
+                                                          flops_of(*sizes), gemm)
+        print(f"# {shape}: floor {floor_us:.1f} us (q, k, v and out at the copy "
               f"bandwidth {memory_us:.1f} us, {flops_of(*sizes) / 1e9:.1f} GFLOP at the "
               f"{'fp32' if dtype == 'fp32' else 'bf16'} GEMM rate {compute_us:.1f} us)",
               flush=True)
@@ -165,26 +156,10 @@ class Table:
     def add(self, shape, impl, sizes, dtype, n_padd, err=None, timing=None, note="",
             skipped=False):
         b, h, t, d = sizes
-        flops, floor_us = flops_of(*sizes), self.floors[shape]
-        row = dict(op="causal_attention", shape=shape, impl=impl, b=b, h=h, t=t, d=d,
-                   n_padd=n_padd, dtype=dtype, bytes=bytes_of(*sizes, dtype), flops=flops,
-                   floor_us=floor_us, rel_err=err, ok=timing is not None, skipped=skipped,
-                   note=note)
-        line = f"{shape:32s} {impl:26s} "
-        if timing is not None:
-            tflops = flops / (timing.median_us * 1e-6) / 1e12
-            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                       method=timing.method, tflops=tflops,
-                       floor_fraction=floor_us / timing.median_us)
-            line += (f"{timing.median_us:9.1f} {tflops:8.1f} {100 * row['floor_fraction']:6.1f}% "
-                     f"{err:8.1e}  {timing.method}")
-        elif skipped:
-            line += f"{'-':>9s} {'':8s} {'':7s} {'':8s}  skipped: {note}"
-        else:
-            shown = f"{err:8.1e}" if err is not None else f"{'-':>8s}"
-            line += f"{'-':>9s} {'':8s} {'':7s} {shown}  FAIL {note}"
-        self.rows.append(row)
-        print(line, flush=True)
+        self.add_row(dict(op="causal_attention", shape=shape, impl=impl, b=b, h=h, t=t, d=d,
+                          n_padd=n_padd, dtype=dtype, bytes=bytes_of(*sizes, dtype),
+                          flops=flops_of(*sizes), floor_us=self.floors[shape], rel_err=err,
+                          ok=timing is not None, skipped=skipped, note=note), timing)
 
 
 def run(table, impls, shapes):
@@ -208,8 +183,7 @@ def run(table, impls, shapes):
                     table.add(shape, name, sizes, dtype, n_padd, skipped=True,
                               note="no CUDA backend of causal_attention yet")
                 else:
-                    table.add(shape, name, sizes, dtype, n_padd,
-                              note=f"{type(e).__name__}: {str(e)[:80]}")
+                    table.add(shape, name, sizes, dtype, n_padd, note=raised_note(e))
                 continue
             out = out.clone()
             if impl.padded:
@@ -239,35 +213,19 @@ def main():
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-            "run it on a GPU machine")
-    try:
-        import fusekit
-    except ImportError as e:
-        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
-    if not fusekit.build_info()["with_cuda"]:
-        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
-    if not hasattr(fusekit, "causal_attention"):
-        die("this fusekit has no causal_attention; rebuild it from this checkout")
+    fusekit = load_fusekit("bench/causal_attention.py", "causal_attention")
 
     impls = {
         "fusekit": fusekit_impl(fusekit),
         "sdpa bool mask": sdpa_masked_impl(),
         "sdpa flash causal, no pad": sdpa_flash_impl(),
     }
-    if args.peers:
-        sys.path.insert(0, args.peers)
-        try:
-            import attention_seed
-        except ImportError as e:
-            print(f"# seed kernel skipped: cannot import attention_seed from {args.peers} ({e})")
-        else:
-            impls["seed triton, fp32 per head"] = seed_impl(attention_seed)
+    attention_seed = import_seed(args.peers, "attention_seed") if args.peers else None
+    if attention_seed is not None:
+        impls["seed triton, fp32 per head"] = seed_impl(attention_seed)
 
     info = fusekit.build_info()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
-          f"(CUDA architectures {info['cuda_architectures']}), q, k, v ~ N(0, 1)")
+    print_header(info, "q, k, v ~ N(0, 1)")
     copy_gbs = copy_ceiling()
     gemm_tflops = {"bf16": gemm_ceiling(dtype=torch.bfloat16),
                    "fp32": gemm_ceiling(m=4096, dtype=torch.float32)}
@@ -279,12 +237,8 @@ def main():
     run(table, impls, args.shapes or SHAPES)
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           fusekit=info, ceilings=dict(copy_gbs=copy_gbs,
-                                                       gemm_tflops=gemm_tflops),
-                           rows=table.rows), f, indent=1)
-        print(f"# rows written to {args.json}")
+        write_json(args.json, info, ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
+                   rows=table.rows)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ training), both ceilings measured in the same run.
 """
 
 import argparse
-import json
 import math
-import sys
 from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
 
+from common import (NOT_IMPLEMENTED, FloorTable, import_seed, load_fusekit, print_header,
+                    raised_note, write_json)
 from timing import bench, copy_ceiling, gemm_ceiling, rel_err
 
 Shape = namedtuple("Shape", "mode n l c d dtype")
@@ -53,7 +53,6 @@ EXPANSION, RESIDUAL_SCALE, EPS = 2, 0.15, 1e-3
 # run its products in bfloat16, the training path in TF32.
 REL_ERR_BOUND = {"infer": {"fp32": 2e-3, "fp16": 5e-3, "bf16": 1e-2},
                  "train": {"fp32": 5e-3, "fp16": 5e-3, "bf16": 2e-2}}
-NOT_IMPLEMENTED = "the CUDA backend is not implemented yet"
 
 
 def parse_shape(text):
@@ -62,11 +61,6 @@ def parse_shape(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected MODE,N,L,C,d,dtype with MODE infer "
                                          f"or train and dtype in {tuple(DTYPES)}")
     return Shape(mode, int(n), int(length), int(c), int(d), dtype)
-
-
-def die(message):
-    print(f"bench/cheri_block.py: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # ------------------------------------------------------------------------------ the formula
@@ -185,42 +179,24 @@ def describe(s):
     return f"{s.mode} N{s.n} L{s.l} C{s.c} d{s.d} {s.dtype}"
 
 
-class Table:
+class Table(FloorTable):
     def __init__(self, copy_gbs, gemm_tflops):
-        self.copy_gbs, self.gemm_tflops, self.rows, self.floors = copy_gbs, gemm_tflops, [], {}
-        print(f"{'shape':34s} {'impl':22s} {'time us':>9s} {'TFLOP/s':>8s} {'%floor':>7s} "
-              f"{'rel err':>8s}  method")
+        super().__init__(copy_gbs, gemm_tflops, shape_width=34, impl_width=22)
 
     def add_floor(self, s):
         rate = "bf16" if s.mode == "infer" else "tf32"
-        memory_us = bytes_of(s) / (self.copy_gbs * 1e9) * 1e6
-        compute_us = flops_of(s) / (self.gemm_tflops[rate] * 1e12) * 1e6
-        self.floors[describe(s)] = max(memory_us, compute_us)
-        print(f"# {describe(s)}: floor {max(memory_us, compute_us):.1f} us ({bytes_of(s) / 1e6:.0f} "
+        floor_us, memory_us, compute_us = self.keep_floor(describe(s), bytes_of(s), flops_of(s),
+                                                          self.gemm_tflops[rate])
+        print(f"# {describe(s)}: floor {floor_us:.1f} us ({bytes_of(s) / 1e6:.0f} "
               f"MB at the copy bandwidth {memory_us:.1f} us, {flops_of(s) / 1e9:.1f} GFLOP at the "
               f"{rate} GEMM rate {compute_us:.1f} us)", flush=True)
 
     def add(self, s, impl, err=None, timing=None, note="", skipped=False):
-        shape, floor_us = describe(s), self.floors[describe(s)]
-        row = dict(op="cheri_block", shape=shape, impl=impl, mode=s.mode, n=s.n, l=s.l, c=s.c,
-                   d=s.d, dtype=s.dtype, bytes=bytes_of(s), flops=flops_of(s), floor_us=floor_us,
-                   rel_err=err, ok=timing is not None, skipped=skipped, note=note)
-        line = f"{shape:34s} {impl:22s} "
-        if timing is not None:
-            tflops = flops_of(s) / (timing.median_us * 1e-6) / 1e12
-            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                       method=timing.method, tflops=tflops,
-                       gbs=bytes_of(s) / (timing.median_us * 1e-6) / 1e9,
-                       floor_fraction=floor_us / timing.median_us)
-            line += (f"{timing.median_us:9.1f} {tflops:8.1f} {100 * row['floor_fraction']:6.1f}% "
-                     f"{err:8.1e}  {timing.method}")
-        elif skipped:
-            line += f"{'-':>9s} {'':8s} {'':7s} {'':8s}  skipped: {note}"
-        else:
-            shown = f"{err:8.1e}" if err is not None else f"{'-':>8s}"
-            line += f"{'-':>9s} {'':8s} {'':7s} {shown}  FAIL {note}"
-        self.rows.append(row)
-        print(line, flush=True)
+        shape = describe(s)
+        self.add_row(dict(op="cheri_block", shape=shape, impl=impl, mode=s.mode, n=s.n, l=s.l,
+                          c=s.c, d=s.d, dtype=s.dtype, bytes=bytes_of(s), flops=flops_of(s),
+                          floor_us=self.floors[shape], rel_err=err, ok=timing is not None,
+                          skipped=skipped, note=note), timing, gbs=True)
 
 
 def run(table, impls, shapes):
@@ -244,7 +220,7 @@ def run(table, impls, shapes):
                 if NOT_IMPLEMENTED in str(e):
                     table.add(s, name, skipped=True, note="no CUDA backend of cheri_block yet")
                 else:
-                    table.add(s, name, note=f"{type(e).__name__}: {str(e)[:80]}")
+                    table.add(s, name, note=raised_note(e))
                 continue
             key = id(grad_out) if grad_out is not None else None
             if key not in refs:
@@ -279,35 +255,18 @@ def main():
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-            "run it on a GPU machine")
-    try:
-        import fusekit
-        import fusekit.torch
-    except ImportError as e:
-        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
-    if not fusekit.build_info()["with_cuda"]:
-        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
-    if not hasattr(fusekit, "cheri_block"):
-        die("this fusekit has no cheri_block; rebuild it from this checkout")
+    fusekit = load_fusekit("bench/cheri_block.py", "cheri_block", with_torch=True)
 
     # As the model trains: TF32 products in float32 (the training rows and the TF32 ceiling).
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     impls = {"fusekit": fusekit_impl(fusekit), "torch eager": eager_impl()}
-    if args.peers:
-        sys.path.insert(0, args.peers)
-        try:
-            import cheri_seed
-        except ImportError as e:
-            print(f"# seed kernel skipped: cannot import cheri_seed from {args.peers} ({e})")
-        else:
-            impls["seed triton"] = seed_impl(cheri_seed)
+    cheri_seed = import_seed(args.peers, "cheri_seed") if args.peers else None
+    if cheri_seed is not None:
+        impls["seed triton"] = seed_impl(cheri_seed)
 
     info = fusekit.build_info()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
-          f"(CUDA architectures {info['cuda_architectures']}), x ~ N(0, 1), float32 weights")
+    print_header(info, "x ~ N(0, 1), float32 weights")
     copy_gbs = copy_ceiling()
     gemm_tflops = {"bf16": gemm_ceiling(dtype=torch.bfloat16),
                    "tf32": gemm_ceiling(m=4096, dtype=torch.float32)}
@@ -318,12 +277,8 @@ def main():
     run(table, impls, args.shapes or SHAPES)
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           fusekit=info, ceilings=dict(copy_gbs=copy_gbs,
-                                                       gemm_tflops=gemm_tflops),
-                           rows=table.rows), f, indent=1)
-        print(f"# rows written to {args.json}")
+        write_json(args.json, info, ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
+                   rows=table.rows)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ are measured in the same run.
 """
 
 import argparse
-import json
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from common import import_seed, load_fusekit, print_header, raised_note, timing_fields, write_json
 from timing import bench, copy_ceiling, gemm_ceiling, rel_err
 
 SHAPES = [  # (M rows, K in, N out)
@@ -39,11 +38,6 @@ REL_ERR_BOUND = 2e-2
 def parse_shape(text):
     m, k, n = (int(v) for v in text.split(","))
     return m, k, n
-
-
-def die(message):
-    print(f"bench/layernorm_linear_gelu.py: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # ------------------------------------------------------------------------------ the baselines
@@ -86,8 +80,7 @@ class Table:
             sec = timing.median_us * 1e-6
             floor_us = weight_bytes / (self.copy_gbs * 1e9) * 1e6
             tflops = flops / sec / 1e12
-            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                       method=timing.method, tflops=tflops, gemm_fraction=tflops / self.gemm_tflops,
+            row.update(timing_fields(timing), tflops=tflops, gemm_fraction=tflops / self.gemm_tflops,
                        weight_floor_us=floor_us, weight_floor_fraction=floor_us / timing.median_us)
             line += (f"{timing.median_us:9.1f} {tflops:8.1f} {100 * row['gemm_fraction']:5.1f}% "
                      f"{100 * row['weight_floor_fraction']:6.1f}% {err:8.1e}  {timing.method}")
@@ -113,7 +106,7 @@ def run(table, impls, shapes, dtype):
             try:
                 err = rel_err(fn(*args), ref)
             except Exception as e:  # noqa: BLE001  (a baseline that cannot run this shape)
-                table.add(shape, name, sizes, math.inf, note=f"{type(e).__name__}: {str(e)[:80]}")
+                table.add(shape, name, sizes, math.inf, note=raised_note(e))
                 continue
             if not err < REL_ERR_BOUND:
                 table.add(shape, name, sizes, err, note=f"error above {REL_ERR_BOUND:g}")
@@ -136,17 +129,7 @@ def main():
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-            "run it on a GPU machine")
-    try:
-        import fusekit
-    except ImportError as e:
-        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
-    if not fusekit.build_info()["with_cuda"]:
-        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
-    if not hasattr(fusekit, "layernorm_linear_gelu"):
-        die("this fusekit has no layernorm_linear_gelu; rebuild it from this checkout")
+    fusekit = load_fusekit("bench/layernorm_linear_gelu.py", "layernorm_linear_gelu")
 
     dtype = DTYPES[args.dtype]
 
@@ -159,21 +142,15 @@ def main():
     if not args.no_compile:
         # static shapes: compiled for each shape, as a model of fixed shapes would be
         impls["torch.compile"] = (as_is, torch.compile(torch_forward, dynamic=False))
-    if args.peers:
-        sys.path.insert(0, args.peers)
-        try:
-            import lola_seed
-        except ImportError as e:
-            print(f"# seed kernel skipped: cannot import lola_seed from {args.peers} ({e})")
+    lola_seed = import_seed(args.peers, "lola_seed") if args.peers else None
+    if lola_seed is not None:
+        if dtype == torch.float16:
+            impls["seed triton"] = (seed_prepare, lola_seed.triton_lola_ws)
         else:
-            if dtype == torch.float16:
-                impls["seed triton"] = (seed_prepare, lola_seed.triton_lola_ws)
-            else:
-                print("# seed kernel skipped: it computes in float16 only")
+            print("# seed kernel skipped: it computes in float16 only")
 
     info = fusekit.build_info()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
-          f"(CUDA architectures {info['cuda_architectures']}), dtype {args.dtype}")
+    print_header(info, f"dtype {args.dtype}")
     copy_gbs, gemm_tflops = copy_ceiling(), gemm_ceiling(dtype=dtype)
     print(f"# ceilings: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write), "
           f"{args.dtype} GEMM {gemm_tflops:.0f} TFLOP/s (8192^3, torch.matmul)")
@@ -181,12 +158,8 @@ def main():
     run(table, impls, args.shapes or SHAPES, dtype)
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           fusekit=info, dtype=args.dtype,
-                           ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
-                           rows=table.rows), f, indent=1)
-        print(f"# rows written to {args.json}")
+        write_json(args.json, info, dtype=args.dtype,
+                   ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops), rows=table.rows)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ against a bf16 GEMM.
 """
 
 import argparse
-import json
 import math
-import sys
 
 import torch
 
+from common import import_seed, load_fusekit, print_header, timing_fields, write_json
 from timing import bench, copy_ceiling, gemm_ceiling, l2_cache_bytes, rel_err
 
 FORWARD_SHAPES = [  # (N tokens, H hidden, hc streams)
@@ -38,11 +37,6 @@ GRAPH_BELOW_BYTES = 8 * 2**20  # calls moving less than this are timed by CUDA-g
 def parse_shape(text):
     n, h, hc = (int(v) for v in text.split(","))
     return n, h, hc
-
-
-def die(message):
-    print(f"bench/mhc_post.py: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # ------------------------------------------------------------------------------ the baselines
@@ -90,8 +84,7 @@ class Table:
         line = f"{op:18s} {shape:22s} {impl:14s} "
         if timing is not None:
             sec = timing.median_us * 1e-6
-            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                       method=timing.method, gbs=nbytes / sec / 1e9, tflops=flops / sec / 1e12)
+            row.update(timing_fields(timing), gbs=nbytes / sec / 1e9, tflops=flops / sec / 1e12)
             row.update(copy_fraction=row["gbs"] / self.copy_gbs,
                        gemm_fraction=row["tflops"] / self.gemm_tflops)
             line += (f"{timing.median_us:9.1f} {row['gbs']:7.0f} {100 * row['copy_fraction']:5.1f}% "
@@ -197,15 +190,7 @@ def main():
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-            "run it on a GPU machine")
-    try:
-        import fusekit
-    except ImportError as e:
-        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
-    if not fusekit.build_info()["with_cuda"]:
-        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
+    fusekit = load_fusekit("bench/mhc_post.py")
 
     dtype = DTYPES[args.dtype]
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
@@ -217,18 +202,12 @@ def main():
     if not args.no_compile:
         forward["torch.compile"] = torch.compile(torch_forward)
         backward["torch.compile"] = torch.compile(torch_backward)
-    if args.peers:
-        sys.path.insert(0, args.peers)
-        try:
-            import mhc_post_seed
-        except ImportError as e:
-            print(f"# seed kernel skipped: cannot import mhc_post_seed from {args.peers} ({e})")
-        else:
-            forward["seed triton"] = mhc_post_seed.mhc_post
+    mhc_post_seed = import_seed(args.peers, "mhc_post_seed") if args.peers else None
+    if mhc_post_seed is not None:
+        forward["seed triton"] = mhc_post_seed.mhc_post
 
     info = fusekit.build_info()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
-          f"(CUDA architectures {info['cuda_architectures']}), dtype {args.dtype}")
+    print_header(info, f"dtype {args.dtype}")
     copy_gbs, gemm_tflops = copy_ceiling(), gemm_ceiling()
     print(f"# ceilings: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write), "
           f"bf16 GEMM {gemm_tflops:.0f} TFLOP/s (8192^3)")
@@ -237,12 +216,8 @@ def main():
     run_backward(table, backward, backward_shapes, dtype, tol, not args.no_graph)
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           fusekit=info, dtype=args.dtype,
-                           ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
-                           rows=table.rows), f, indent=1)
-        print(f"# rows written to {args.json}")
+        write_json(args.json, info, dtype=args.dtype,
+                   ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops), rows=table.rows)
 
 
 if __name__ == "__main__":

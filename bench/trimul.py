@@ -18,13 +18,13 @@ geometric means over the shapes, GPU MODE's ranking, close the table.
 """
 
 import argparse
-import json
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from common import (FloorTable, geomean, import_seed, load_fusekit, print_header, raised_note,
+                    write_json)
 from timing import bench, copy_ceiling, gemm_ceiling, rel_err
 
 SHAPES = [  # (N, B, C, mask, distribution) of the GPU MODE benchmark
@@ -51,11 +51,6 @@ def parse_shape(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected N,B,C,mask,distribution with mask "
                                          f"in {MASKS} and distribution in {DISTRIBUTIONS}")
     return int(n), int(b), int(c), mask, dist
-
-
-def die(message):
-    print(f"bench/trimul.py: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -127,39 +122,24 @@ def bytes_of(n, b, c):
     return 2 * b * n * n * c * 4
 
 
-class Table:
+class Table(FloorTable):
     def __init__(self, copy_gbs, gemm_tflops):
-        self.copy_gbs, self.gemm_tflops, self.rows, self.floors = copy_gbs, gemm_tflops, [], {}
-        print(f"{'shape':32s} {'impl':14s} {'time us':>9s} {'TFLOP/s':>8s} {'%floor':>7s} "
-              f"{'rel err':>8s}  method")
+        super().__init__(copy_gbs, gemm_tflops, shape_width=32, impl_width=14)
 
     def add_floor(self, shape, n, b, c):
         """Prints the shape's floor and keeps it: the larger of its memory and compute times."""
-        memory_us = bytes_of(n, b, c) / (self.copy_gbs * 1e9) * 1e6
-        compute_us = flops_of(n, b, c) / (self.gemm_tflops * 1e12) * 1e6
-        self.floors[shape] = max(memory_us, compute_us)
-        print(f"# {shape}: floor {self.floors[shape]:.1f} us (x and out at the copy bandwidth "
+        floor_us, memory_us, compute_us = self.keep_floor(shape, bytes_of(n, b, c),
+                                                          flops_of(n, b, c), self.gemm_tflops)
+        print(f"# {shape}: floor {floor_us:.1f} us (x and out at the copy bandwidth "
               f"{memory_us:.1f} us, {flops_of(n, b, c) / 1e9:.1f} GFLOP at the fp16 GEMM rate "
               f"{compute_us:.1f} us)", flush=True)
 
     def add(self, shape, impl, sizes, err, timing=None, note=""):
         n, b, c = sizes
-        flops, floor_us = flops_of(n, b, c), self.floors[shape]
-        row = dict(op="trimul", shape=shape, impl=impl, n=n, b=b, c=c, h=HIDDEN,
-                   bytes=bytes_of(n, b, c), flops=flops, floor_us=floor_us, rel_err=err,
-                   ok=timing is not None, note=note)
-        line = f"{shape:32s} {impl:14s} "
-        if timing is not None:
-            tflops = flops / (timing.median_us * 1e-6) / 1e12
-            row.update(us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                       method=timing.method, tflops=tflops,
-                       floor_fraction=floor_us / timing.median_us)
-            line += (f"{timing.median_us:9.1f} {tflops:8.1f} {100 * row['floor_fraction']:6.1f}% "
-                     f"{err:8.1e}  {timing.method}")
-        else:
-            line += f"{'-':>9s} {'':8s} {'':7s} {err:8.1e}  FAIL {note}"
-        self.rows.append(row)
-        print(line, flush=True)
+        self.add_row(dict(op="trimul", shape=shape, impl=impl, n=n, b=b, c=c, h=HIDDEN,
+                          bytes=bytes_of(n, b, c), flops=flops_of(n, b, c),
+                          floor_us=self.floors[shape], rel_err=err, ok=timing is not None,
+                          note=note), timing)
 
     def geomeans(self, n_shapes):
         """The geometric mean of each implementation's times over the shapes (only for those
@@ -167,9 +147,9 @@ class Table:
         times = {}
         for r in self.rows:
             times.setdefault(r["impl"], []).append(r.get("us"))
-        means = {impl: _geomean(ts) for impl, ts in times.items()
+        means = {impl: geomean(ts) for impl, ts in times.items()
                  if len(ts) == n_shapes and None not in ts}
-        means["floor"] = _geomean(list(self.floors.values()))
+        means["floor"] = geomean(list(self.floors.values()))
         label = f"geomean of {n_shapes} shapes"
         for impl, us in means.items():
             line = f"{label:32s} {impl:14s} {us:9.1f}"
@@ -177,10 +157,6 @@ class Table:
                 line += f" {'':8s} {100 * means['floor'] / us:6.1f}%"
             print(line)
         return means
-
-
-def _geomean(values):
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def violations(out, ref):
@@ -199,8 +175,7 @@ def run(table, impls, shapes):
             try:
                 out = fn(x, keep, w)
             except Exception as e:  # noqa: BLE001  (a baseline that cannot run this shape)
-                table.add(shape, name, (n, b, c), math.inf,
-                          note=f"{type(e).__name__}: {str(e)[:80]}")
+                table.add(shape, name, (n, b, c), math.inf, note=raised_note(e))
                 continue
             err, bad = rel_err(out, ref), violations(out, ref)
             del out
@@ -227,36 +202,19 @@ def main():
     parser.add_argument("--json", metavar="FILE", help="write the rows to FILE")
     args = parser.parse_args()
 
-    if not torch.cuda.is_available():
-        die("needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-            "run it on a GPU machine")
-    try:
-        import fusekit
-    except ImportError as e:
-        die(f"cannot import fusekit ({e}); build it first with `pip install .`")
-    if not fusekit.build_info()["with_cuda"]:
-        die("this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
-    if not hasattr(fusekit, "trimul"):
-        die("this fusekit has no trimul; rebuild it from this checkout")
+    fusekit = load_fusekit("bench/trimul.py", "trimul")
 
     # name: the call on (x, mask or None, weights)
     impls = {"fusekit": fusekit.trimul, "torch eager": torch_forward}
     if not args.no_compile:
         # static shapes: compiled for each shape, as a model of fixed shapes would be
         impls["torch.compile"] = torch.compile(torch_forward, dynamic=False)
-    if args.peers:
-        sys.path.insert(0, args.peers)
-        try:
-            import trimul_seed
-        except ImportError as e:
-            print(f"# seed kernel skipped: cannot import trimul_seed from {args.peers} ({e})")
-        else:
-            impls["seed triton"] = seed_call(trimul_seed)
+    trimul_seed = import_seed(args.peers, "trimul_seed") if args.peers else None
+    if trimul_seed is not None:
+        impls["seed triton"] = seed_call(trimul_seed)
 
     info = fusekit.build_info()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, fusekit {info['version']} "
-          f"(CUDA architectures {info['cuda_architectures']}), x and weights float32, "
-          f"hidden {HIDDEN}")
+    print_header(info, f"x and weights float32, hidden {HIDDEN}")
     copy_gbs, gemm_tflops = copy_ceiling(), gemm_ceiling(dtype=torch.float16)
     print(f"# ceilings: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write), "
           f"fp16 GEMM {gemm_tflops:.0f} TFLOP/s (8192^3, torch.matmul)")
@@ -266,12 +224,9 @@ def main():
     geomeans = table.geomeans(len(shapes))
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           fusekit=info, dtype="fp32", hidden=HIDDEN,
-                           ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops),
-                           rows=table.rows, geomeans=geomeans), f, indent=1)
-        print(f"# rows written to {args.json}")
+        write_json(args.json, info, dtype="fp32", hidden=HIDDEN,
+                   ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops), rows=table.rows,
+                   geomeans=geomeans)
 
 
 if __name__ == "__main__":
