@@ -25,27 +25,17 @@ import fusekit
 import reference
 from compare import (Tol, assert_bitwise_equal, assert_close, dtype_name, max_abs_error,
                      to_torch64)
-from conftest import HAS_CUDA, requires_cuda
+from conftest import cuda_backend_mark, requires_cuda
 
 OP = torch.ops.fusekit.causal_attention.default
-NOT_IMPLEMENTED = "causal_attention: the CUDA backend is not implemented yet"
 
 
-def _cuda_backend_missing():
-    """True while the CUDA backend of causal_attention raises its "not implemented yet" error,
-    found by one call on a tiny input. Any other outcome (a result, another error) lets the CUDA
-    cases run and report it."""
-    if not HAS_CUDA:
-        return False
+def _tiny_call():
     q = torch.zeros(1, 8, device="cuda")
-    try:
-        fusekit.causal_attention(q, q, q)
-    except fusekit.Error as e:
-        return str(e).startswith(NOT_IMPLEMENTED)
-    return False
+    fusekit.causal_attention(q, q, q)
 
 
-requires_cuda_backend = pytest.mark.skipif(_cuda_backend_missing(), reason="no CUDA backend yet")
+requires_cuda_backend = cuda_backend_mark("causal_attention", _tiny_call)
 DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, requires_cuda_backend])]
 # Validation and empty inputs return before a backend is chosen: those cases run on CUDA already.
 VALIDATION_DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]

@@ -26,27 +26,16 @@ import fusekit
 import fusekit.torch
 import reference
 from compare import Tol, assert_bitwise_equal, assert_close, dtype_name, to_torch64
-from conftest import HAS_CUDA, requires_cuda
-
-NOT_IMPLEMENTED = "cheri_block: the CUDA backend is not implemented yet"
+from conftest import cuda_backend_mark, requires_cuda
 
 
-def _cuda_backend_missing():
-    """True while the CUDA backend of cheri_block raises its "not implemented yet" error, found by
-    one call on a tiny input. Any other outcome (a result, another error) lets the CUDA cases run
-    and report it."""
-    if not HAS_CUDA:
-        return False
+def _tiny_call():
     x = torch.zeros(1, 4, 8, device="cuda")
-    try:
-        fusekit.cheri_block(x, torch.zeros(3, 8, device="cuda"), torch.zeros(16, 8, device="cuda"),
-                            torch.zeros(8, 16, device="cuda"), 1)
-    except fusekit.Error as e:
-        return str(e).startswith(NOT_IMPLEMENTED)
-    return False
+    fusekit.cheri_block(x, torch.zeros(3, 8, device="cuda"), torch.zeros(16, 8, device="cuda"),
+                        torch.zeros(8, 16, device="cuda"), 1)
 
 
-requires_cuda_backend = pytest.mark.skipif(_cuda_backend_missing(), reason="no CUDA backend yet")
+requires_cuda_backend = cuda_backend_mark("cheri_block", _tiny_call)
 DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, requires_cuda_backend])]
 # Validation and empty inputs return before a backend is chosen: those cases run on CUDA already.
 VALIDATION_DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
