@@ -18,6 +18,7 @@
 
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
+#include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
 #include "common/dispatch.h"
@@ -49,12 +50,6 @@ struct LayerNormArgs {
   void* xn;        // [M, ld] in x's dtype
   std::int64_t ld; // a multiple of 16 bytes
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ float load_param(const void* p, bool is_f32, std::int64_t i,

@@ -13,6 +13,7 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
+#include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
 #include "common/dispatch.h"
@@ -24,7 +25,6 @@ namespace {
 
 constexpr int kFwdMaxThreads = 256;
 constexpr int kBwdThreads = 128;
-constexpr int kWarpSize = 32;
 constexpr int kBulkTileBytes = 1024;     // per stream and tile: 64 threads x 16 bytes
 [[maybe_unused]] constexpr int kBulkStageBytes = 40960;  // shared memory for tiles in flight, per block
 constexpr int kBulkBlocksPerSm = 4;
@@ -281,8 +281,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 #pragma unroll
   for (int r = 0; r < kReductions; ++r) {
     float v = r < HC ? acc_post[r] : acc_comb[(r - HC) / HC][(r - HC) % HC];
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    v = warp_sum(v);
     if (lane == 0) warp_sums[warp][r] = v;
   }
   __syncthreads();

@@ -25,6 +25,7 @@
 
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
+#include "common/cuda_reduce.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
@@ -49,12 +50,6 @@ constexpr int kOutMT = 2;                         // m16 tiles per warp in the o
 constexpr int kOutNT = 4;                         // n8 tiles per warp in the output kernel
 constexpr int kOutCols = 4 * 8 * kOutNT;          // output columns per chunk
 constexpr int kCachedC = 24 * 32;                 // rows up to this long are held in registers
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 
 __device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
 
