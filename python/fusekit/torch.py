@@ -80,6 +80,24 @@ def _stream(t):
 _dl = torch.utils.dlpack.to_dlpack
 
 
+def _refuse_backward(op, name, message=None):
+    """Registers, for the forward-only `op`, a backward that raises `message` (by default: the
+    operator is forward only). Autograd then records a call of the op, so that forward passes with
+    parameters that require grad still run, and backward fails with this message rather than
+    torch's generic one."""
+    message = message or (f"{name}: backward was called, but the operator is forward only; "
+                           "expected it under torch.no_grad() or torch.inference_mode(), or on "
+                           "tensors that do not require grad")
+
+    def setup_context(ctx, inputs, output):
+        pass  # nothing to save: the backward only reports that there is none
+
+    def backward(ctx, *grads):
+        raise _C.Error(message)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
 def _empty(t):
     """A contiguous tensor of t's shape, dtype and device (also under fake tensor modes)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -192,20 +210,7 @@ def _layernorm_linear_gelu_fake(x, weight, bias=None, ln_weight=None, ln_bias=No
     return _llg_empty(x, weight)
 
 
-def _layernorm_linear_gelu_setup_context(ctx, inputs, output):
-    pass  # nothing to save: the backward only reports that there is none
-
-
-def _layernorm_linear_gelu_autograd(ctx, grad_out):
-    raise _C.Error("layernorm_linear_gelu: backward was called, but the operator is forward only; "
-                   "expected it under torch.no_grad() or torch.inference_mode(), or on tensors "
-                   "that do not require grad")
-
-
-# Registered so that autograd records the call and fails with that message on backward (rather
-# than torch's generic one), while forward passes with parameters that require grad still run.
-layernorm_linear_gelu.register_autograd(_layernorm_linear_gelu_autograd,
-                                        setup_context=_layernorm_linear_gelu_setup_context)
+_refuse_backward(layernorm_linear_gelu, "layernorm_linear_gelu")
 
 
 def call_layernorm_linear_gelu(x, weight, bias, ln_weight, ln_bias, eps, approximate, allow_tf32,
@@ -324,19 +329,7 @@ def _trimul_fake(x, mask, norm_weight, norm_bias, left_proj, right_proj, left_ga
     return _empty(x)
 
 
-def _trimul_setup_context(ctx, inputs, output):
-    pass  # nothing to save: the backward only reports that there is none
-
-
-def _trimul_autograd(ctx, grad_out):
-    raise _C.Error("trimul: backward was called, but the operator is forward only; expected it "
-                   "under torch.no_grad() or torch.inference_mode(), or on tensors that do not "
-                   "require grad")
-
-
-# Registered for the same reason as layernorm_linear_gelu's: autograd records the call, and
-# backward fails with this message.
-trimul.register_autograd(_trimul_autograd, setup_context=_trimul_setup_context)
+_refuse_backward(trimul, "trimul")
 
 
 def call_trimul(x, mask, weights, direction, eps, out=None):
@@ -434,20 +427,7 @@ def _causal_attention_fake(q, k, v, n_padd=0, n_padd_per_sequence=None, scale=No
     return _empty(q), _lse_empty(q)
 
 
-def _causal_attention_setup_context(ctx, inputs, output):
-    pass  # nothing to save: the backward only reports that there is none
-
-
-def _causal_attention_autograd(ctx, grad_out, grad_lse):
-    raise _C.Error("causal_attention: backward was called, but the operator is forward only; "
-                   "expected it under torch.no_grad() or torch.inference_mode(), or on tensors "
-                   "that do not require grad")
-
-
-# Registered for the same reason as layernorm_linear_gelu's: autograd records the call, and
-# backward fails with this message.
-causal_attention.register_autograd(_causal_attention_autograd,
-                                   setup_context=_causal_attention_setup_context)
+_refuse_backward(causal_attention, "causal_attention")
 
 
 def call_causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32, out=None):
@@ -608,20 +588,11 @@ def _cheri_block_inference_fake(x, conv_weight, linear1_weight, linear2_weight, 
     return _empty(x)
 
 
-def _cheri_block_inference_setup_context(ctx, inputs, output):
-    pass  # nothing to save: the backward only reports that there is none
-
-
-def _cheri_block_inference_autograd(ctx, grad_out):
-    raise _C.Error("cheri_block_inference: backward was called, but the inference forward saves "
-                   "nothing to differentiate; expected fusekit.cheri_block (which takes the "
-                   "training path under autograd) or torch.ops.fusekit.cheri_block")
-
-
-# Registered for the same reason as layernorm_linear_gelu's: autograd records a direct call of
-# the op, and backward fails with this message. fusekit.cheri_block never routes autograd here.
-cheri_block_inference.register_autograd(_cheri_block_inference_autograd,
-                                        setup_context=_cheri_block_inference_setup_context)
+# fusekit.cheri_block never routes autograd here: only a direct call of the op reaches this.
+_refuse_backward(cheri_block_inference, "cheri_block_inference",
+                 "cheri_block_inference: backward was called, but the inference forward saves "
+                 "nothing to differentiate; expected fusekit.cheri_block (which takes the "
+                 "training path under autograd) or torch.ops.fusekit.cheri_block")
 
 
 def call_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
