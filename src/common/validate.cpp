@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 
 #include "fusekit/error.h"
@@ -115,6 +116,11 @@ void check_no_overlap(const char* op, const char* a_arg, const TensorView& a, co
   const auto [b_lo, b_hi] = byte_span(b);
   FUSEKIT_CHECK(a_hi < b_lo || b_hi < a_lo, op, ": ", a_arg, " overlaps ", b_arg,
                 " in memory; expected separate buffers (", a_arg, " may not alias ", b_arg, ")");
+}
+
+void check_eps(const char* op, double eps) {
+  FUSEKIT_CHECK(std::isfinite(eps) && eps >= 0, op, ": options.eps is ", eps,
+                ", expected a finite value >= 0");
 }
 
 void check_outputs(const char* op, std::initializer_list<NamedTensor> outputs,

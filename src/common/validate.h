@@ -43,6 +43,8 @@ void check_writable(const char* op, const char* arg, const TensorView& t);
 /// The memory spans of `a` and `b` do not intersect.
 void check_no_overlap(const char* op, const char* a_arg, const TensorView& a, const char* b_arg,
                       const TensorView& b);
+/// `options.eps` (of a normalisation) is finite and >= 0.
+void check_eps(const char* op, double eps);
 /// Every given output writable, apart from every given input and from every other output.
 void check_outputs(const char* op, std::initializer_list<NamedTensor> outputs,
                    std::initializer_list<NamedTensor> inputs);

@@ -101,8 +101,7 @@ void check_stat(const char* op, const char* arg, const TensorView& t, const Tens
 
 void check_conv_options(const char* op, std::int64_t dilation, double eps) {
   FUSEKIT_CHECK(dilation >= 1, op, ": options.dilation is ", dilation, ", expected >= 1");
-  FUSEKIT_CHECK(std::isfinite(eps) && eps >= 0, op, ": options.eps is ", eps,
-                ", expected a finite value >= 0");
+  detail::check_eps(op, eps);
 }
 
 void check_block_options(const char* op, const CheriBlockOptions& options) {

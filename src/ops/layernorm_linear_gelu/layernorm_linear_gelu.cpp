@@ -1,7 +1,6 @@
 // layernorm_linear_gelu entry point: validate -> empty input returns -> pick backend -> launch.
 #include "fusekit/ops/layernorm_linear_gelu.h"
 
-#include <cmath>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -87,8 +86,7 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   }
   if (detail::given(ln_weight)) check_ln_param("ln_weight", ln_weight, x, k);
   if (detail::given(ln_bias)) check_ln_param("ln_bias", ln_bias, x, k);
-  FUSEKIT_CHECK(std::isfinite(options.eps) && options.eps >= 0, kOp, ": options.eps is ",
-                options.eps, ", expected a finite value >= 0");
+  detail::check_eps(kOp, options.eps);
   FUSEKIT_CHECK(options.approximate == GeluApproximation::Tanh ||
                     options.approximate == GeluApproximation::None,
                 kOp, ": options.approximate is ", static_cast<int>(options.approximate),

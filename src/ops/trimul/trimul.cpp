@@ -1,7 +1,6 @@
 // trimul entry point: validate -> empty input returns -> pick backend -> launch.
 #include "fusekit/ops/trimul.h"
 
-#include <cmath>
 
 #include "common/dispatch.h"
 #include "common/validate.h"
@@ -90,8 +89,7 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
   p.to_out_norm_weight = check_weight("to_out_norm_weight", weights.to_out_norm_weight, x, {dh});
   p.to_out_norm_bias = check_weight("to_out_norm_bias", weights.to_out_norm_bias, x, {dh});
   p.to_out = check_weight("to_out", weights.to_out, x, {dc, dh});
-  FUSEKIT_CHECK(std::isfinite(options.eps) && options.eps >= 0, kOp, ": options.eps is ",
-                options.eps, ", expected a finite value >= 0");
+  detail::check_eps(kOp, options.eps);
   FUSEKIT_CHECK(options.direction == TrimulDirection::Outgoing ||
                     options.direction == TrimulDirection::Incoming,
                 kOp, ": options.direction is ", static_cast<int>(options.direction),
