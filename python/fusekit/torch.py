@@ -98,6 +98,23 @@ def _refuse_backward(op, name, message=None):
     op.register_autograd(backward, setup_context=setup_context)
 
 
+def _refuse_out_under_autograd(op, tensors):
+    """Raises when autograd records a call given out= (one of `tensors` requires grad): the copy
+    into out would not be differentiable."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                raise _C.Error(f"{op}: out= was given while autograd records the call (a tensor "
+                               "requires grad); expected out=None under autograd")
+
+
+def _copy_out(op, out, result):
+    """out, after copying result into it (a copy a compiler can fuse), when the two match."""
+    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
+        raise _C.Error(f"{op}: out is {_describe(out)}, expected {_describe(result)}")
+    return out.copy_(result)
+
+
 def _empty(t):
     """A contiguous tensor of t's shape, dtype and device (also under fake tensor modes)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -153,15 +170,9 @@ def call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
     filled by a copy, which a compiler can fuse; it is refused when autograd records the call."""
     if out is None:
         return mhc_post(x, residual, post_layer_mix, comb_res_mix)
-    if torch.is_grad_enabled():
-        for t in (x, residual, post_layer_mix, comb_res_mix, out):
-            if t.requires_grad:
-                raise _C.Error("mhc_post: out= was given while autograd records the call (a "
-                               "tensor requires grad); expected out=None under autograd")
+    _refuse_out_under_autograd("mhc_post", (x, residual, post_layer_mix, comb_res_mix, out))
     result = mhc_post(x, residual, post_layer_mix, comb_res_mix)
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise _C.Error(f"mhc_post: out is {_describe(out)}, expected {_describe(result)}")
-    return out.copy_(result)
+    return _copy_out("mhc_post", out, result)
 
 
 def _describe(t):
@@ -222,15 +233,9 @@ def call_layernorm_linear_gelu(x, weight, bias, ln_weight, ln_bias, eps, approxi
                                    allow_tf32)
     if out is None:
         return result
-    if torch.is_grad_enabled():
-        for t in (x, weight, bias, ln_weight, ln_bias, out):
-            if t is not None and t.requires_grad:
-                raise _C.Error("layernorm_linear_gelu: out= was given while autograd records the "
-                               "call (a tensor requires grad); expected out=None under autograd")
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise _C.Error(f"layernorm_linear_gelu: out is {_describe(out)}, expected "
-                       f"{_describe(result)}")
-    return out.copy_(result)
+    _refuse_out_under_autograd("layernorm_linear_gelu",
+                               (x, weight, bias, ln_weight, ln_bias, out))
+    return _copy_out("layernorm_linear_gelu", out, result)
 
 
 class LayerNormLinearGELU(torch.nn.Module):
@@ -339,14 +344,8 @@ def call_trimul(x, mask, weights, direction, eps, out=None):
     result = trimul(x, mask, *weights, direction, eps)
     if out is None:
         return result
-    if torch.is_grad_enabled():
-        for t in (x, mask, *weights, out):
-            if t is not None and t.requires_grad:
-                raise _C.Error("trimul: out= was given while autograd records the call (a tensor "
-                               "requires grad); expected out=None under autograd")
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise _C.Error(f"trimul: out is {_describe(out)}, expected {_describe(result)}")
-    return out.copy_(result)
+    _refuse_out_under_autograd("trimul", (x, mask, *weights, out))
+    return _copy_out("trimul", out, result)
 
 
 class TriangleMultiplication(torch.nn.Module):
@@ -436,15 +435,9 @@ def call_causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf3
     records the call."""
     if out is None:
         return causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32)
-    if torch.is_grad_enabled():
-        for t in (q, k, v, out):
-            if t.requires_grad:
-                raise _C.Error("causal_attention: out= was given while autograd records the call "
-                               "(a tensor requires grad); expected out=None under autograd")
+    _refuse_out_under_autograd("causal_attention", (q, k, v, out))
     result, lse = causal_attention(q, k, v, n_padd, n_padd_per_sequence, scale, allow_tf32)
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise _C.Error(f"causal_attention: out is {_describe(out)}, expected {_describe(result)}")
-    return out.copy_(result), lse
+    return _copy_out("causal_attention", out, result), lse
 
 
 # ---------------------------------------------------------------------------------- cheri_block
@@ -610,9 +603,7 @@ def call_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, r
     result = cheri_block_inference(x, *weights, dilation, residual_scale, eps)
     if out is None:
         return result
-    if out.shape != result.shape or out.dtype != result.dtype or out.device != result.device:
-        raise _C.Error(f"cheri_block: out is {_describe(out)}, expected {_describe(result)}")
-    return out.copy_(result)
+    return _copy_out("cheri_block", out, result)
 
 
 class CheriBlock(torch.nn.Module):
