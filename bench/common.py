@@ -29,8 +29,8 @@ def load_fusekit(script, op=None, with_torch=False):
     its CUDA backend (and has `op`, when given); exits with the reason otherwise. with_torch:
     import fusekit.torch too (its modules)."""
     if not torch.cuda.is_available():
-        die(script, "needs a CUDA device, and torch sees none (torch.cuda.is_available() is False); "
-                    "run it on a GPU machine")
+        die(script, "needs a CUDA device, and torch sees none (torch.cuda.is_available() is "
+                    "False); run it on a GPU machine")
     try:
         import fusekit
         if with_torch:
@@ -38,7 +38,8 @@ def load_fusekit(script, op=None, with_torch=False):
     except ImportError as e:
         die(script, f"cannot import fusekit ({e}); build it first with `pip install .`")
     if not fusekit.build_info()["with_cuda"]:
-        die(script, "this fusekit was built without the CUDA backend; rebuild it where nvcc is found")
+        die(script, "this fusekit was built without the CUDA backend; rebuild it where nvcc is "
+                    "found")
     if op is not None and not hasattr(fusekit, op):
         die(script, f"this fusekit has no {op}; rebuild it from this checkout")
     return fusekit
