@@ -264,6 +264,13 @@ fusekit::CheriBlockOptions cheri_options(std::int64_t dilation, double residual_
   return options;
 }
 
+fusekit::DilatedConvNormOptions conv_norm_options(std::int64_t dilation, double eps) {
+  fusekit::DilatedConvNormOptions options;
+  options.dilation = dilation;
+  options.eps = eps;
+  return options;
+}
+
 void dilated_conv_norm(const OutArray& y, const OutArray& mean, const OutArray& rstd,
                        const InArray& x, const InArray& conv_weight, std::int64_t dilation,
                        double eps, std::uintptr_t stream) {
@@ -273,9 +280,7 @@ void dilated_conv_norm(const OutArray& y, const OutArray& mean, const OutArray& 
   const fusekit::TensorView v_rstd = to_optional_view(rstd, op, "rstd");
   const fusekit::TensorView v_x = to_view(x, op, "x");
   const fusekit::TensorView v_conv = to_view(conv_weight, op, "conv_weight");
-  fusekit::DilatedConvNormOptions options;
-  options.dilation = dilation;
-  options.eps = eps;
+  const fusekit::DilatedConvNormOptions options = conv_norm_options(dilation, eps);
   nb::gil_scoped_release release;
   fusekit::dilated_conv_norm(v_y, v_mean, v_rstd, v_x, v_conv, options, to_stream(stream));
 }
@@ -293,9 +298,7 @@ void dilated_conv_norm_backward(const OutArray& grad_x, const OutArray& grad_con
   const fusekit::TensorView v_conv = to_view(conv_weight, op, "conv_weight");
   const fusekit::TensorView v_mean = to_view(mean, op, "mean");
   const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
-  fusekit::DilatedConvNormOptions options;
-  options.dilation = dilation;
-  options.eps = eps;
+  const fusekit::DilatedConvNormOptions options = conv_norm_options(dilation, eps);
   nb::gil_scoped_release release;
   fusekit::dilated_conv_norm_backward(v_grad_x, v_grad_conv, v_grad_y, v_x, v_conv, v_mean,
                                       v_rstd, options, to_stream(stream));
