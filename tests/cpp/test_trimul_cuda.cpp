@@ -380,34 +380,12 @@ TEST_F(TrimulCudaMisc, MaskedOutRowsGiveTheBias) {
 }
 
 TEST_F(TrimulCudaMisc, BroadcastInputs) {
-  // x with stride 0 over B (both batches the same rows) and the mask with stride 0 over i
-  // (mask[b, i, j] = m[b, j]): inputs may share addresses; only out may not.
   const TrimulCase c{2, 16, 48, 32, kIncoming, TrimulMask::Fractional};
-  TrimulInputs in = make_trimul_inputs(c, rng_);
-  const std::int64_t n = c.n, row = n * n * c.c;
-  for (std::int64_t k = 0; k < row; ++k) in.x.values[row + k] = in.x.values[k];
-  for (std::int64_t b = 0; b < c.b; ++b) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < n; ++j) in.mask.at({b, i, j}) = in.mask.at({b, 0, j});
-    }
-  }
-  TrimulTensors t = upload_trimul(in, c, kCuda);
-  HostTensor x_one = in.x, mask_rows({c.b, n});
-  x_one.shape[0] = 1;
-  x_one.values.resize(row);
-  for (std::int64_t b = 0; b < c.b; ++b) {
-    for (std::int64_t j = 0; j < n; ++j) mask_rows.at({b, j}) = in.mask.at({b, 0, j});
-  }
-  const DeviceTensor x_shared = upload(x_one, c.dtype, kCuda);
-  const DeviceTensor mask_shared = upload(mask_rows, DType::Float32, kCuda);
-  t.x.view = x_shared.view;
-  t.x.view.shape[0] = c.b;
-  t.x.view.strides[0] = 0;
-  t.mask.view = TensorView(mask_shared.view.data, DType::Float32, {c.b, n, n}, {n, 0, 1}, kCuda);
-  run_trimul(t, c);
+  const BroadcastTrimul s = upload_broadcast_trimul(c, rng_, kCuda);
+  run_trimul(s.t, c);
   expect_device_ok();
-  expect_only_view_written(t.out, "out");
-  expect_matches_float64(download_trimul(t), in, c);
+  expect_only_view_written(s.t.out, "out");
+  expect_matches_float64(download_trimul(s.t), s.in, c);
 }
 
 TEST_F(TrimulCudaMisc, MixedDevicesAreRejected) {

@@ -285,6 +285,45 @@ inline HostTensor download_trimul(const TrimulTensors& t) {
   return fusekit::testing::download(t.out.view);
 }
 
+/// Inputs that share memory: x with stride 0 over B (every batch the same rows) and the mask
+/// with stride 0 over i (mask[b, i, j] = m[b, j]). `in` holds the values the views show; the
+/// views live as long as the struct (inputs may share addresses; only out may not).
+struct BroadcastTrimul {
+  TrimulInputs in;
+  TrimulTensors t;
+  DeviceTensor x_shared, mask_shared;
+};
+
+inline BroadcastTrimul upload_broadcast_trimul(const TrimulCase& c, std::mt19937_64& rng,
+                                               Device device) {
+  using fusekit::testing::upload;
+  BroadcastTrimul s;
+  s.in = make_trimul_inputs(c, rng);
+  const std::int64_t n = c.n, row = n * n * c.c;
+  for (std::int64_t b = 1; b < c.b; ++b) {
+    for (std::int64_t k = 0; k < row; ++k) s.in.x.values[b * row + k] = s.in.x.values[k];
+  }
+  HostTensor mask_rows({c.b, n});
+  for (std::int64_t b = 0; b < c.b; ++b) {
+    for (std::int64_t j = 0; j < n; ++j) mask_rows.at({b, j}) = s.in.mask.at({b, 0, j});
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) s.in.mask.at({b, i, j}) = mask_rows.at({b, j});
+    }
+  }
+  s.t = upload_trimul(s.in, c, device);
+  HostTensor x_one = s.in.x;
+  x_one.shape[0] = 1;
+  x_one.values.resize(row);
+  s.x_shared = upload(x_one, c.dtype, device);
+  s.mask_shared = upload(mask_rows, DType::Float32, device);
+  s.t.x.view = s.x_shared.view;
+  s.t.x.view.shape[0] = c.b;
+  s.t.x.view.strides[0] = 0;
+  s.t.mask.view =
+      TensorView(s.mask_shared.view.data, DType::Float32, {c.b, n, n}, {n, 0, 1}, device);
+  return s;
+}
+
 /// One checked run on `device`: uploads the inputs, runs into a poisoned output, waits for the
 /// device, checks that nothing outside out's view was written, and returns out.
 inline HostTensor run_trimul_checked(const TrimulInputs& in, const TrimulCase& c, Device device,
