@@ -28,6 +28,10 @@ class CudaDeviceGuard {
 /// Multiprocessor count and compute capability (major) of `device`, read once per device.
 int multiprocessor_count(int device);
 int compute_capability_major(int device);
+/// Shared memory of `device` in bytes, read once per device: the most one block may opt in to,
+/// and all of one multiprocessor's.
+int max_shared_memory_per_block(int device);
+int shared_memory_per_multiprocessor(int device);
 
 }  // namespace fusekit::detail
 

@@ -31,7 +31,10 @@ int cached_attribute(cudaDeviceAttr attribute, int device) {
     cudaDeviceAttr attribute;
     std::array<int, kMaxDevices> values{};
   };
-  static std::array<Entry, 2> cache{{{cudaDevAttrMultiProcessorCount}, {cudaDevAttrComputeCapabilityMajor}}};
+  static std::array<Entry, 4> cache{{{cudaDevAttrMultiProcessorCount},
+                                     {cudaDevAttrComputeCapabilityMajor},
+                                     {cudaDevAttrMaxSharedMemoryPerBlockOptin},
+                                     {cudaDevAttrMaxSharedMemoryPerMultiprocessor}}};
   static std::mutex mutex;
   FUSEKIT_CHECK(device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
   for (Entry& e : cache) {
@@ -51,6 +54,14 @@ int multiprocessor_count(int device) { return cached_attribute(cudaDevAttrMultiP
 
 int compute_capability_major(int device) {
   return cached_attribute(cudaDevAttrComputeCapabilityMajor, device);
+}
+
+int max_shared_memory_per_block(int device) {
+  return cached_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
+
+int shared_memory_per_multiprocessor(int device) {
+  return cached_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
 }
 
 cudaMemPool_t workspace_pool(int device) {

@@ -704,12 +704,6 @@ __global__ void __launch_bounds__(kThreads, 4) output(OutputArgs a) {
 
 std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
 
-int max_shared_bytes(int device) {
-  int bytes = 0;
-  FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return bytes;
-}
-
 template <typename Kernel, typename Args>
 void launch_with_smem(Kernel kernel, std::int64_t blocks, std::size_t smem, const Args& args,
                       cudaStream_t stream, const char* name) {
@@ -733,12 +727,10 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   const std::int64_t ldn = ceil_div(p.n, 8) * 8, plane = p.n * ldn;
 
   // Kernel configurations first, so that an unsupported size fails before any work is queued.
-  const int smem_limit = max_shared_bytes(device);
+  const int smem_limit = max_shared_memory_per_block(device);
   // The tallest projection tile that leaves room for two blocks per multiprocessor (one block's
   // LayerNorm and stores overlap the other's matrix product), else the tallest that fits.
-  int smem_per_sm = 0;
-  FUSEKIT_CUDA_CHECK(
-      cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  const int smem_per_sm = shared_memory_per_multiprocessor(device);
   int project_mt = 0;
   for (int pass = 0; pass < 2 && project_mt == 0; ++pass) {
     for (int mt : {4, 2, 1}) {
