@@ -161,7 +161,7 @@ void dilated_conv_norm(const TensorView& y, const TensorView& mean, const Tensor
   if (detail::given(rstd)) check_stat(kOp, "rstd", rstd, x, s);
   check_conv_options(kOp, options.dilation, options.eps);
   detail::check_outputs(kOp, {{"y", &y}, {"mean", &mean}, {"rstd", &rstd}},
-                {{"x", &x}, {"conv_weight", &conv_weight}});
+                        {{"x", &x}, {"conv_weight", &conv_weight}});
   if (s.n == 0) return;
   check_unit_stride_on_c(kOp, "x", x);
   check_unit_stride_on_c(kOp, "y", y);
@@ -192,8 +192,8 @@ void dilated_conv_norm_backward(const TensorView& grad_x, const TensorView& grad
   check_stat(kOp, "rstd", rstd, x, s);
   check_conv_options(kOp, options.dilation, options.eps);
   detail::check_outputs(kOp, {{"grad_x", &grad_x}, {"grad_conv_weight", &grad_conv_weight}},
-                {{"grad_y", &grad_y}, {"x", &x}, {"conv_weight", &conv_weight},
-                 {"mean", &mean}, {"rstd", &rstd}});
+                        {{"grad_y", &grad_y}, {"x", &x}, {"conv_weight", &conv_weight},
+                         {"mean", &mean}, {"rstd", &rstd}});
   // N = 0 still has a result: grad_conv_weight, a sum over no examples, is zero.
   if (s.n != 0) {
     check_unit_stride_on_c(kOp, "grad_x", grad_x);
@@ -225,10 +225,10 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
   detail::check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}},
-                {{"x", &x},
-                 {"weights.conv_weight", &weights.conv_weight},
-                 {"weights.linear1_weight", &weights.linear1_weight},
-                 {"weights.linear2_weight", &weights.linear2_weight}});
+                        {{"x", &x},
+                         {"weights.conv_weight", &weights.conv_weight},
+                         {"weights.linear1_weight", &weights.linear1_weight},
+                         {"weights.linear2_weight", &weights.linear2_weight}});
   if (s.n == 0) return;
   check_unit_stride_on_c(kOp, "x", x);
   check_unit_stride_on_c(kOp, "out", out);
@@ -265,17 +265,17 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
   check_stat(kOp, "rstd", rstd, x, s);
   check_block_options(kOp, options);
   detail::check_outputs(kOp,
-                {{"grad_x", &grad_x},
-                 {"grads.conv_weight", &grads.conv_weight},
-                 {"grads.linear1_weight", &grads.linear1_weight},
-                 {"grads.linear2_weight", &grads.linear2_weight}},
-                {{"grad_out", &grad_out},
-                 {"x", &x},
-                 {"weights.conv_weight", &weights.conv_weight},
-                 {"weights.linear1_weight", &weights.linear1_weight},
-                 {"weights.linear2_weight", &weights.linear2_weight},
-                 {"mean", &mean},
-                 {"rstd", &rstd}});
+                        {{"grad_x", &grad_x},
+                         {"grads.conv_weight", &grads.conv_weight},
+                         {"grads.linear1_weight", &grads.linear1_weight},
+                         {"grads.linear2_weight", &grads.linear2_weight}},
+                        {{"grad_out", &grad_out},
+                         {"x", &x},
+                         {"weights.conv_weight", &weights.conv_weight},
+                         {"weights.linear1_weight", &weights.linear1_weight},
+                         {"weights.linear2_weight", &weights.linear2_weight},
+                         {"mean", &mean},
+                         {"rstd", &rstd}});
   // N = 0 still has a result: the weight gradients, sums over no examples, are zero.
   if (s.n != 0) {
     check_unit_stride_on_c(kOp, "grad_x", grad_x);
@@ -307,10 +307,10 @@ void cheri_block_inference(const TensorView& out, const TensorView& x,
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
   detail::check_outputs(kOp, {{"out", &out}},
-                {{"x", &x},
-                 {"weights.conv_weight", &weights.conv_weight},
-                 {"weights.linear1_weight", &weights.linear1_weight},
-                 {"weights.linear2_weight", &weights.linear2_weight}});
+                        {{"x", &x},
+                         {"weights.conv_weight", &weights.conv_weight},
+                         {"weights.linear1_weight", &weights.linear1_weight},
+                         {"weights.linear2_weight", &weights.linear2_weight}});
   if (s.n == 0) return;
   check_unit_stride_on_c(kOp, "x", x);
   check_unit_stride_on_c(kOp, "out", out);
