@@ -1,0 +1,2 @@
+// causal_attention on the CUDA backend (tests arrive with the kernels).
+#include "cuda_test_support.h"
