@@ -1,10 +1,13 @@
 // Warp-level tensor-core building blocks (sm_80 and later): asynchronous 16-byte copies into
-// shared memory, ldmatrix fragment loads and the m16n8k16 float16 MMA with float32 accumulation.
+// shared memory, ldmatrix fragment loads, the m16n8k16 float16 and bfloat16 MMAs and the m16n8k8
+// TF32 MMA, all with float32 accumulation.
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane l holds, of the 16x8
-// accumulator tile, rows l/4 (c[0], c[1]) and l/4 + 8 (c[2], c[3]), columns 2 (l % 4) + {0, 1}.
+// accumulator tile, rows l/4 (c[0], c[1]) and l/4 + 8 (c[2], c[3]), columns 2 (l % 4) + {0, 1};
+// the m16n8k8 TF32 accumulator has the same layout.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -40,11 +43,47 @@ __device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], const void* s
                : "r"(shared_address(smem)));
 }
 
+/// As ldmatrix_x4, each 8x8 matrix transposed: the fragment of a row-major B operand.
+__device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(smem)));
+}
+
 /// c += a b for a 16x16 (row-major) by 16x8 (column-major) float16 tile pair.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
                                           std::uint32_t b0, std::uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// As mma_16816, for bfloat16 tiles.
+__device__ __forceinline__ void mma_16816_bf16(float (&c)[4], const std::uint32_t (&a)[4],
+                                               std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// x rounded to the nearest TF32 value (10-bit mantissa), as the bits of a float32.
+__device__ __forceinline__ std::uint32_t to_tf32(float x) {
+  std::uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+/// c += a b for a 16x8 (row-major) by 8x8 (column-major) TF32 tile pair. Fragments (PTX ISA,
+/// "mma.m16n8k8" for .tf32): lane l holds a[0] = A[l/4][l%4], a[1] = A[l/4 + 8][l%4],
+/// a[2] = A[l/4][l%4 + 4], a[3] = A[l/4 + 8][l%4 + 4]; b0 = B[l%4][l/4], b1 = B[l%4 + 4][l/4].
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const std::uint32_t (&a)[4],
+                                              std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
