@@ -34,6 +34,7 @@ struct CheriCase {
   DType weight_dtype = DType::Float32;  // float32 or dtype
   double residual_scale = 0.15;
   double eps = 1e-3;
+  bool allow_tf32 = true;  // the CUDA training path's products; the CPU computes in float32
 
   std::int64_t hidden() const { return expansion * c; }
   DilatedConvNormOptions conv_options() const { return {dilation, eps}; }
@@ -42,6 +43,7 @@ struct CheriCase {
     o.dilation = dilation;
     o.residual_scale = residual_scale;
     o.eps = eps;
+    o.allow_tf32 = allow_tf32;
     return o;
   }
 };

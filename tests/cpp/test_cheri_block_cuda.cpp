@@ -1,2 +1,461 @@
-// cheri_block on the CUDA backend (tests arrive with the kernels).
+// cheri_block on the CUDA backend: dilated_conv_norm and its backward, the block's training
+// forward and backward (exact float32 and TF32 products) and the inference forward (the fused
+// float16 tensor-core kernel for C of 64 and 128, the general path otherwise) against the float64
+// reference, in every dtype, for L = 1, d >= L, C of 1, 3, 48, 64, 80, 128 and 256, E of 1 to 3,
+// the model's dilations and every layout; at a model-sized shape against the CPU backend. Outputs
+// are poisoned and checked for writes outside their views. Also bitwise determinism, zero MLP
+// weights, empty batches, streams and CUDA-graph capture. Every test skips with "no CUDA device"
+// where there is none.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cheri_block_support.h"
 #include "cuda_test_support.h"
+
+namespace {
+
+using namespace fusekit_test;
+using fusekit::testing::download;
+
+constexpr Device kCpu = Device::cpu();
+constexpr Device kCuda = Device::cuda(0);
+constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
+
+// ------------------------------------------------------------------------------------ tolerances
+//
+// The exact paths (the plane passes; the training path with allow_tf32 false, or in float16 and
+// bfloat16, whose products run in float32) share the CPU suite's tolerances. The float32 training
+// path with TF32 products and the inference path (float16 operands) are held to a relative bound
+// on the whole tensor (Frobenius), and element-wise to that bound of the tensor's largest value:
+// 1e-3 for float32 (TF32 and float16 both keep 10 bits of mantissa), 2e-3 for float16 x (its own
+// rounding of out, 2^-11, comes on top), 1e-2 for bfloat16 x (rounding of out, 2^-9).
+
+double max_abs(const HostTensor& t) {
+  double m = 0;
+  for (double v : t.values) m = std::max(m, std::abs(v));
+  return m;
+}
+
+Tolerance relative_to_max(const HostTensor& expected, double bound) {
+  return {bound * std::max(max_abs(expected), 1e-30), bound, bound};
+}
+
+double fast_path_bound(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return 1e-3;
+    case DType::Float16: return 2e-3;
+    default: return 1e-2;
+  }
+}
+
+bool uses_tf32(const CheriCase& c) { return c.dtype == DType::Float32 && c.allow_tf32; }
+
+// ------------------------------------------------------------------------------------ checks
+
+// The two allocations hold the same bytes, padding and poison included.
+void expect_same_bytes(const DeviceTensor& got, const DeviceTensor& expected,
+                       const std::string& what) {
+  const std::vector<unsigned char> a = raw_bytes(got), b = raw_bytes(expected);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  std::size_t differ = 0, first = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.size()
+                        << " bytes differ, the first at byte " << first;
+}
+
+void check_conv_norm(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
+  const Tolerance elementwise = cheri_elementwise_tolerance(c.dtype);
+  {
+    SCOPED_TRACE("dilated_conv_norm");
+    const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+    run_conv_norm(t, c);
+    expect_device_ok();
+    const ConvNormResult ref =
+        fusekit::testing::dilated_conv_norm_reference(in.x, in.w.conv_weight, c.dilation, c.eps);
+    expect_only_view_written(t.out, "y");
+    expect_only_view_written(t.mean, "mean");
+    expect_only_view_written(t.rstd, "rstd");
+    expect_close(download(t.out.view), ref.y, elementwise, "y");
+    expect_close(download(t.mean.view), ref.mean, cheri_stat_tolerance(), "mean");
+    expect_close(download(t.rstd.view), ref.rstd, cheri_stat_tolerance(), "rstd");
+  }
+  {
+    SCOPED_TRACE("dilated_conv_norm_backward");
+    const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+    run_conv_norm_backward(t, c);
+    expect_device_ok();
+    const ConvNormGradients ref = fusekit::testing::dilated_conv_norm_backward_reference(
+        in.grad_out, in.x, in.w.conv_weight, in.mean, in.rstd, c.dilation);
+    expect_only_view_written(t.grad_x, "grad_x");
+    expect_only_view_written(t.grad_conv_weight, "grad_conv_weight");
+    expect_close(download(t.grad_x.view), ref.grad_x, elementwise, "grad_x");
+    expect_close(download(t.grad_conv_weight.view), ref.grad_conv_weight,
+                 cheri_weight_grad_tolerance(c), "grad_conv_weight");
+  }
+}
+
+void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
+  const bool tf32 = uses_tf32(c);
+  {
+    SCOPED_TRACE(tf32 ? "cheri_block (TF32)" : "cheri_block");
+    const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+    run_block(t, c);
+    expect_device_ok();
+    const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
+        in.x, in.w, c.dilation, c.residual_scale, c.eps);
+    expect_only_view_written(t.out, "out");
+    expect_only_view_written(t.mean, "mean");
+    expect_only_view_written(t.rstd, "rstd");
+    expect_close(download(t.out.view), ref.out,
+                 tf32 ? relative_to_max(ref.out, 1e-3) : cheri_elementwise_tolerance(c.dtype),
+                 "out");
+    expect_close(download(t.mean.view), ref.mean, cheri_stat_tolerance(), "mean");
+    expect_close(download(t.rstd.view), ref.rstd, cheri_stat_tolerance(), "rstd");
+  }
+  {
+    SCOPED_TRACE(tf32 ? "cheri_block_backward (TF32)" : "cheri_block_backward");
+    const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+    run_block_backward(t, c);
+    expect_device_ok();
+    const CheriBlockGradients ref = fusekit::testing::cheri_block_backward_reference(
+        in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
+    expect_only_view_written(t.grad_x, "grad_x");
+    expect_only_view_written(t.grad_conv_weight, "grads.conv_weight");
+    expect_only_view_written(t.grad_linear1, "grads.linear1_weight");
+    expect_only_view_written(t.grad_linear2, "grads.linear2_weight");
+    const auto tol = [&](const HostTensor& expected, const Tolerance& exact) {
+      return tf32 ? relative_to_max(expected, 1e-3) : exact;
+    };
+    const Tolerance weights = cheri_weight_grad_tolerance(c);
+    expect_close(download(t.grad_x.view), ref.grad_x,
+                 tol(ref.grad_x, cheri_elementwise_tolerance(c.dtype)), "grad_x");
+    expect_close(download(t.grad_conv_weight.view), ref.grads.conv_weight,
+                 tol(ref.grads.conv_weight, weights), "grads.conv_weight");
+    expect_close(download(t.grad_linear1.view), ref.grads.linear1,
+                 tol(ref.grads.linear1, weights), "grads.linear1_weight");
+    expect_close(download(t.grad_linear2.view), ref.grads.linear2,
+                 tol(ref.grads.linear2, weights), "grads.linear2_weight");
+  }
+}
+
+void check_inference(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
+  SCOPED_TRACE("cheri_block_inference");
+  const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+  run_block_inference(t, c);
+  expect_device_ok();
+  const CheriBlockResult ref =
+      fusekit::testing::cheri_block_reference(in.x, in.w, c.dilation, c.residual_scale, c.eps);
+  expect_only_view_written(t.out, "out");
+  expect_close(download(t.out.view), ref.out, relative_to_max(ref.out, fast_path_bound(c.dtype)),
+               "out");
+}
+
+// Every CUDA path on one case: the plane passes, the training path with exact products (and,
+// for float32, with TF32 ones), the inference forward.
+void check_cuda_all(const CheriCase& k, std::mt19937_64& rng, const CheriLayouts& layouts = {}) {
+  CheriCase c = k;
+  c.allow_tf32 = false;
+  const CheriInputs in = make_cheri_inputs(c, rng);
+  check_conv_norm(in, c, layouts);
+  check_block(in, c, layouts);
+  if (c.dtype == DType::Float32) {
+    c.allow_tf32 = true;
+    check_block(in, c, layouts);
+  }
+  check_inference(in, c, layouts);
+}
+
+// ------------------------------------------------------------------------------------ shapes
+
+// C = 1 and 3 (scalar path), L = 1, d = L and d > L; C of 48 and 80 (vector plane passes, general
+// inference path); C of 64 and 128 (fused inference: a partial last tile, tiles across example
+// boundaries, E = 1 and 2); C = 256 and E = 3 at C = 128 (too big for the fused kernel's shared
+// memory: the general path); the largest dilations.
+const CheriCase kCases[] = {
+    {2, 6, 1, 2, 1},     {3, 1, 3, 2, 4},     {2, 7, 3, 2, 7},     {2, 9, 48, 2, 16},
+    {3, 33, 80, 2, 2},   {2, 70, 128, 2, 4},  {3, 45, 64, 2, 64},  {1, 300, 128, 2, 256},
+    {2, 37, 128, 1, 3},  {2, 20, 256, 2, 8},  {2, 20, 128, 3, 1},  {2, 40, 8, 1, 256},
+};
+
+class CheriCuda : public CudaTest<::testing::TestWithParam<std::tuple<DType, CheriCase>>> {};
+
+TEST_P(CheriCuda, MatchesFloat64) {
+  const auto [dtype, c] = GetParam();
+  check_cuda_all(with_dtype(c, dtype), rng_);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CheriCuda,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes),
+                                            ::testing::ValuesIn(kCases)),
+                         [](const auto& info) {
+                           return cheri_case_name(with_dtype(std::get<1>(info.param),
+                                                             std::get<0>(info.param)));
+                         });
+
+// Weights in x's dtype, through every path.
+class CheriCudaWeightDtype : public CudaTest<::testing::TestWithParam<DType>> {};
+
+TEST_P(CheriCudaWeightDtype, MatchesFloat64) {
+  for (CheriCase c : {CheriCase{2, 70, 128, 2, 4}, CheriCase{2, 33, 80, 2, 2}}) {
+    c.dtype = GetParam();
+    c.weight_dtype = GetParam();
+    SCOPED_TRACE(cheri_case_name(c));
+    check_cuda_all(c, rng_);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CheriCudaWeightDtype,
+                         ::testing::Values(DType::BFloat16, DType::Float16),
+                         [](const auto& info) { return dtype_name(info.param); });
+
+// The model's dilations 1, 2, 4, ..., 256 at C = 128 (the fused inference kernel), L = 300.
+class CheriCudaDilations : public CudaTest<::testing::TestWithParam<std::int64_t>> {};
+
+TEST_P(CheriCudaDilations, MatchesFloat64) {
+  for (DType dtype : {DType::Float32, DType::BFloat16}) {
+    const CheriCase c = with_dtype(CheriCase{1, 300, 128, 2, GetParam()}, dtype);
+    SCOPED_TRACE(cheri_case_name(c));
+    check_cuda_all(c, rng_);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Model, CheriCudaDilations,
+                         ::testing::Values(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                         [](const auto& info) { return "d" + std::to_string(info.param); });
+
+// Every layout, with a vectorisable C (the layouts decide between vector and scalar access) and
+// a fused-inference C.
+class CheriCudaLayouts
+    : public CudaTest<::testing::TestWithParam<std::tuple<DType, CheriLayoutCase>>> {};
+
+TEST_P(CheriCudaLayouts, MatchesFloat64) {
+  const auto [dtype, l] = GetParam();
+  for (const CheriCase& k : {CheriCase{2, 33, 64, 2, 4}, CheriCase{2, 17, 48, 2, 2}}) {
+    const CheriCase c = with_dtype(k, dtype);
+    SCOPED_TRACE(cheri_case_name(c));
+    check_cuda_all(c, rng_, l.layouts);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CheriCudaLayouts,
+                         ::testing::Combine(::testing::ValuesIn(kDtypes),
+                                            ::testing::ValuesIn(kCheriLayouts)),
+                         [](const auto& info) {
+                           return dtype_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param).name;
+                         });
+
+// ------------------------------------------------------------------------------------ CPU
+
+// A model-sized shape (many tiles and plane blocks per example) against the CPU backend on the
+// same inputs: the CPU's error against float64 (1e-5) is far inside the bounds used here.
+class CheriCudaAgainstCpu : public CudaTest<::testing::TestWithParam<DType>> {};
+
+TEST_P(CheriCudaAgainstCpu, ModelShape) {
+  CheriCase c{4, 1024, 128, 2, 4, GetParam()};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const double bound = fast_path_bound(c.dtype);
+  {
+    SCOPED_TRACE("cheri_block_inference");
+    const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
+    run_block_inference(gpu, c);
+    run_block_inference(cpu, c);
+    expect_device_ok();
+    const HostTensor expected = download(cpu.out.view);
+    expect_close(download(gpu.out.view), expected, relative_to_max(expected, bound), "out");
+  }
+  {
+    SCOPED_TRACE("cheri_block_backward");
+    const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
+    run_block_backward(gpu, c);
+    run_block_backward(cpu, c);
+    expect_device_ok();
+    const auto compare = [&](const DeviceTensor& g, const DeviceTensor& e, const char* what) {
+      const HostTensor expected = download(e.view);
+      expect_close(download(g.view), expected, relative_to_max(expected, bound), what);
+    };
+    compare(gpu.grad_x, cpu.grad_x, "grad_x");
+    compare(gpu.grad_conv_weight, cpu.grad_conv_weight, "grads.conv_weight");
+    compare(gpu.grad_linear1, cpu.grad_linear1, "grads.linear1_weight");
+    compare(gpu.grad_linear2, cpu.grad_linear2, "grads.linear2_weight");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CheriCudaAgainstCpu, ::testing::ValuesIn(kDtypes),
+                         [](const auto& info) { return dtype_name(info.param); });
+
+// ------------------------------------------------------------------------------------ the rest
+
+class CheriCudaMisc : public CudaTest<> {};
+
+TEST_F(CheriCudaMisc, BitwiseDeterministic) {
+  for (DType dtype : kDtypes) {
+    for (const CheriCase& k : {CheriCase{3, 700, 128, 2, 8}, CheriCase{2, 300, 80, 2, 2}}) {
+      const CheriCase c = with_dtype(k, dtype);
+      SCOPED_TRACE(cheri_case_name(c));
+      const CheriInputs in = make_cheri_inputs(c, rng_);
+      const CheriTensors a = upload_cheri(in, c, kCuda), b = upload_cheri(in, c, kCuda);
+      const auto same = [&](const char* what) {
+        expect_device_ok();
+        SCOPED_TRACE(what);
+        expect_same_bytes(b.out, a.out, "out");
+        expect_same_bytes(b.mean, a.mean, "mean");
+        expect_same_bytes(b.rstd, a.rstd, "rstd");
+        expect_same_bytes(b.grad_x, a.grad_x, "grad_x");
+        expect_same_bytes(b.grad_conv_weight, a.grad_conv_weight, "grads.conv_weight");
+        expect_same_bytes(b.grad_linear1, a.grad_linear1, "grads.linear1_weight");
+        expect_same_bytes(b.grad_linear2, a.grad_linear2, "grads.linear2_weight");
+      };
+      for (const auto& run : {run_conv_norm, run_block, run_block_inference}) {
+        run(a, c);
+        run(b, c);
+        run(b, c);
+      }
+      run_conv_norm_backward(a, c);
+      run_conv_norm_backward(b, c);
+      same("forwards and dilated_conv_norm_backward");
+      run_block_backward(a, c);
+      run_block_backward(b, c);
+      run_block_backward(b, c);
+      same("cheri_block_backward");
+      // runs that wrote nothing would agree too
+      const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
+          in.x, in.w, c.dilation, c.residual_scale, c.eps);
+      expect_close(download(a.out.view), ref.out,
+                   relative_to_max(ref.out, fast_path_bound(c.dtype)), "out");
+    }
+  }
+}
+
+TEST_F(CheriCudaMisc, ZeroMlpWeightsGiveX) {
+  // linear2 = 0: the MLP adds exactly zero, on the fused path (C = 128), the general one (C = 80)
+  // and in the training forward.
+  for (DType dtype : kDtypes) {
+    for (const CheriCase& k : {CheriCase{2, 70, 128, 2, 4}, CheriCase{2, 30, 80, 2, 2}}) {
+      const CheriCase c = with_dtype(k, dtype);
+      SCOPED_TRACE(cheri_case_name(c));
+      CheriInputs in = make_cheri_inputs(c, rng_);
+      std::fill(in.w.linear2.values.begin(), in.w.linear2.values.end(), 0.0);
+      for (const auto& run : {run_block, run_block_inference}) {
+        const CheriTensors t = upload_cheri(in, c, kCuda);
+        run(t, c);
+        expect_device_ok();
+        const HostTensor out = download(t.out.view), x = download(t.x.view);
+        EXPECT_EQ(out.values, x.values) << "out differs from x";
+      }
+    }
+  }
+}
+
+TEST_F(CheriCudaMisc, EmptyBatch) {
+  // N = 0: the forwards write nothing; the backwards write zero weight gradients.
+  const CheriCase c{0, 5, 16, 2, 1};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const CheriTensors t = upload_cheri(in, c, kCuda);
+  run_block_inference(t, c);
+  run_block(t, c);
+  run_conv_norm(t, c);
+  run_block_backward(t, c);
+  expect_device_ok();
+  for (const DeviceTensor* g : {&t.grad_conv_weight, &t.grad_linear1, &t.grad_linear2}) {
+    const HostTensor got = download(g->view);
+    EXPECT_EQ(got.values, std::vector<double>(got.values.size(), 0.0));
+  }
+  const CheriTensors u = upload_cheri(in, c, kCuda);
+  run_conv_norm_backward(u, c);
+  expect_device_ok();
+  const HostTensor got = download(u.grad_conv_weight.view);
+  EXPECT_EQ(got.values, std::vector<double>(got.values.size(), 0.0));
+}
+
+TEST_F(CheriCudaMisc, RunsOnTheGivenStream) {
+  const CheriCase c{2, 200, 128, 2, 4, DType::BFloat16};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const CheriTensors on_default = upload_cheri(in, c, kCuda);
+  const CheriTensors on_stream = upload_cheri(in, c, kCuda);
+  run_block_inference(on_default, c);
+  run_block_backward(on_default, c);
+  OwnStream s;
+  expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
+  fusekit::cheri_block_inference(on_stream.out.view, on_stream.x.view, on_stream.weights(),
+                                 c.block_options(), s.stream());
+  fusekit::cheri_block_backward(on_stream.grad_x.view, on_stream.grads(),
+                                on_stream.grad_out.view, on_stream.x.view, on_stream.weights(),
+                                on_stream.mean_in.view, on_stream.rstd_in.view,
+                                c.block_options(), s.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+  expect_device_ok();
+  expect_same_bytes(on_stream.out, on_default.out, "out on its own stream against the default");
+  expect_same_bytes(on_stream.grad_x, on_default.grad_x, "grad_x");
+  expect_same_bytes(on_stream.grad_linear1, on_default.grad_linear1, "grads.linear1_weight");
+}
+
+// ------------------------------------------------------------------------------------ graphs
+
+class CheriCudaGraph : public CudaTest<::testing::TestWithParam<DType>> {};
+
+TEST_P(CheriCudaGraph, CapturedCallsReplayBitwiseAsDirectCalls) {
+  const CheriCase c{2, 130, 128, 2, 2, GetParam()};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const CheriTensors direct = upload_cheri(in, c, kCuda);
+  CheriTensors t = upload_cheri(in, c, kCuda);
+  run_block_inference(direct, c);
+  run_block_backward(direct, c);
+  run_conv_norm(direct, c);  // overwrites out with y; mean and rstd its own
+  expect_device_ok();
+
+  OwnStream s;
+  const fusekit::Stream stream = s.stream();
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
+  try {
+    fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options(), stream);
+    fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view,
+                                  t.weights(), t.mean_in.view, t.rstd_in.view, c.block_options(),
+                                  stream);
+    fusekit::dilated_conv_norm(t.out.view, t.mean.view, t.rstd.view, t.x.view,
+                               t.conv_weight.view, c.conv_options(), stream);
+  } catch (const fusekit::Error& e) {
+    cudaStreamEndCapture(s.get(), &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    FAIL() << "capture failed: " << e.what();
+  }
+  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    for (DeviceTensor* o : {&t.out, &t.mean, &t.rstd, &t.grad_x, &t.grad_conv_weight,
+                                  &t.grad_linear1, &t.grad_linear2}) {
+      o->buffer.fill_bytes(0xff);
+    }
+    expect_device_ok();
+    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
+    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+    expect_device_ok();
+    expect_same_bytes(t.out, direct.out, "y");
+    expect_same_bytes(t.mean, direct.mean, "mean");
+    expect_same_bytes(t.rstd, direct.rstd, "rstd");
+    expect_same_bytes(t.grad_x, direct.grad_x, "grad_x");
+    expect_same_bytes(t.grad_conv_weight, direct.grad_conv_weight, "grads.conv_weight");
+    expect_same_bytes(t.grad_linear1, direct.grad_linear1, "grads.linear1_weight");
+    expect_same_bytes(t.grad_linear2, direct.grad_linear2, "grads.linear2_weight");
+  }
+  ASSERT_CUDA(cudaGraphExecDestroy(exec));
+  ASSERT_CUDA(cudaGraphDestroy(graph));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CheriCudaGraph, ::testing::ValuesIn(kDtypes),
+                         [](const auto& info) { return dtype_name(info.param); });
+
+}  // namespace

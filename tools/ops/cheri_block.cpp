@@ -357,7 +357,7 @@ Op cheri_block_op() {
           "skipped on CUDA devices.",
       .check = check,
       .bench = bench,
-      .has_cuda_backend = false,
+      .has_cuda_backend = true,
   };
 }
 

@@ -1,5 +1,45 @@
-// The CUDA backend of the cheri_block family: not written yet. The launchers are in place so that
-// the entry points dispatch as every operator's do; until the kernels arrive they refuse the call.
+// The CUDA backend of the cheri_block family.
+//
+// Plane passes (dilated_conv_norm and the first half of every block pass). The plane of example n
+// is cut into blocks of whole rows (about kBlockElements values); a block recomputes the dilated
+// convolution from x (the +-d taps come through L1/L2) and writes one partial per block:
+//   - statistics: (count, mean, M2) of its conv values, from per-thread Chan merges of 16-byte
+//     vectors and a warp/block merge in a fixed order; a finalize kernel merges an example's
+//     partials in block order in double and writes mean and rstd;
+//   - backward: the sums of dy and dy * y, then grad_x and the block's [3, C] share of the
+//     convolution weight gradient; the shares are added in a fixed order by sum_partials.
+// 16-byte vector loads where C and every pointer and stride allow, one element at a time
+// otherwise.
+//
+// Inference (cheri_block_inference). The statistics, then one persistent kernel: each CTA turns
+// the two linear weights into float16 in shared memory once, then loops over tiles of 64 rows of
+// (n, l): x of the next tile arrives by cp.async while the current one runs; conv + norm into a
+// float16 A tile, GEMM1 on tensor cores (mma.sync m16n8k16, float32 accumulation) 64 hidden
+// columns at a time, GELU(tanh) in float32 into a float16 tile, GEMM2 accumulating [64, C] in
+// registers, out = x + residual_scale * acc. C of 64 and 128 with E C a multiple of 64; other
+// shapes (or misaligned rows) take the training forward's path.
+//
+// Training (cheri_block, cheri_block_backward). float32 intermediates, the four activation
+// products and the two weight-gradient products through cuBLASLt (TF32 for float32 inputs when
+// allow_tf32, full float32 otherwise), elementwise kernels between them. The weight gradients
+// are strided-batched products over slices of kSliceRows rows, added slice by slice in order.
+//
+// Determinism: no atomics; every reduction has a fixed shape-determined order; cuBLASLt runs the
+// heuristic's first algorithm without split-K reductions.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common/cublaslt.h"
+#include "common/cuda_check.h"
+#include "common/cuda_mma.cuh"
+#include "common/cuda_reduce.cuh"
+#include "common/cuda_types.cuh"
+#include "common/cuda_workspace.h"
+#include "common/dispatch.h"
 #include "fusekit/error.h"
 #include "ops/cheri_block/cheri_block_params.h"
 
@@ -7,33 +47,1150 @@ namespace fusekit::detail {
 
 namespace {
 
-[[noreturn]] void not_implemented(const char* function) {
-  throw Error(concat(function, ": the CUDA backend is not implemented yet; run it on the CPU"));
+constexpr const char* kOp = "cheri_block";
+constexpr int kThreads = 256;
+constexpr std::int64_t kBlockElements = 8192;  // conv values per block of the plane passes
+constexpr std::int64_t kSliceRows = 4096;      // rows per slice of the weight-gradient products
+constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluCubic = 0.044715f;
+
+// ------------------------------------------------------------------------------------ device
+
+template <typename T>
+__device__ __forceinline__ const T* row_of(const CheriActivation& a, std::int64_t n,
+                                           std::int64_t l) {
+  return static_cast<const T*>(a.data) + n * a.stride[0] + l * a.stride[1];
+}
+
+template <typename T>
+__device__ __forceinline__ T* out_row_of(const CheriActivation& a, std::int64_t n,
+                                         std::int64_t l) {
+  return static_cast<T*>(a.data) + n * a.stride[0] + l * a.stride[1];
+}
+
+/// V consecutive elements as floats: 16-byte loads when V elements fill whole 16-byte pieces
+/// (the address must then be 16-byte aligned), else one element at a time.
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
+  constexpr int kBytes = V * static_cast<int>(sizeof(T));
+  if constexpr (V > 1 && kBytes % 16 == 0) {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+    for (int piece = 0; piece < kBytes / 16; ++piece) {
+      union {
+        uint4 raw;
+        T e[kPer];
+      } u;
+      u.raw = __ldg(reinterpret_cast<const uint4*>(p) + piece);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) v[piece * kPer + k] = to_float(u.e[k]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = to_float(p[k]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
+  constexpr int kBytes = V * static_cast<int>(sizeof(T));
+  if constexpr (V > 1 && kBytes % 16 == 0) {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+    for (int piece = 0; piece < kBytes / 16; ++piece) {
+      union {
+        uint4 raw;
+        T e[kPer];
+      } u;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) u.e[k] = from_float<T>(v[piece * kPer + k]);
+      reinterpret_cast<uint4*>(p)[piece] = u.raw;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = from_float<T>(v[k]);
+  }
+}
+
+__device__ __forceinline__ float load_weight(const CheriMatrix& m, std::int64_t r,
+                                             std::int64_t c) {
+  const std::int64_t off = r * m.stride[0] + c * m.stride[1];
+  switch (m.dtype) {
+    case DType::Float16: return __half2float(static_cast<const __half*>(m.data)[off]);
+    case DType::BFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(m.data)[off]);
+    default: return static_cast<const float*>(m.data)[off];
+  }
+}
+
+__device__ __forceinline__ void store_weight(const CheriMatrix& m, std::int64_t r, std::int64_t c,
+                                             float v) {
+  const std::int64_t off = r * m.stride[0] + c * m.stride[1];
+  switch (m.dtype) {
+    case DType::Float16: static_cast<__half*>(m.data)[off] = __float2half_rn(v); break;
+    case DType::BFloat16:
+      static_cast<__nv_bfloat16*>(m.data)[off] = __float2bfloat16_rn(v);
+      break;
+    default: static_cast<float*>(m.data)[off] = v; break;
+  }
+}
+
+__device__ __forceinline__ float gelu_tanh(float h) {
+  return 0.5f * h * (1.0f + tanhf(kGeluScale * (h + kGeluCubic * h * h * h)));
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float h) {
+  const float t = tanhf(kGeluScale * (h + kGeluCubic * h * h * h));
+  return 0.5f * (1.0f + t) +
+         0.5f * h * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * h * h);
+}
+
+/// conv[n, l, c0 .. c0 + V) from x and the taps w [3, C] float32 (x is zero outside 0..L-1).
+template <typename T, int V>
+__device__ __forceinline__ void conv_at(const CheriBlockParams& p, const float* w, std::int64_t n,
+                                        std::int64_t l, std::int64_t c0, float (&v)[V]) {
+  float mid[V], tap[V], wk[V];
+  load_vec<T, V>(row_of<T>(p.x, n, l) + c0, mid);
+  load_vec<float, V>(w + p.c + c0, wk);
+#pragma unroll
+  for (int k = 0; k < V; ++k) v[k] = wk[k] * mid[k];
+  if (l >= p.dilation) {
+    load_vec<T, V>(row_of<T>(p.x, n, l - p.dilation) + c0, tap);
+    load_vec<float, V>(w + c0, wk);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] += wk[k] * tap[k];
+  }
+  if (l + p.dilation < p.l) {
+    load_vec<T, V>(row_of<T>(p.x, n, l + p.dilation) + c0, tap);
+    load_vec<float, V>(w + 2 * p.c + c0, wk);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] += wk[k] * tap[k];
+  }
+}
+
+/// A block of the plane passes: rows [l0, l1) of example n; threads laid out as `tpr` channel
+/// groups (of V channels) by `lanes` rows.
+struct PlaneBlock {
+  std::int64_t n, l0, l1;
+  int groups, tpr, lanes;
+};
+
+template <int V>
+__device__ __forceinline__ PlaneBlock plane_block(const CheriBlockParams& p, std::int64_t rows,
+                                                  std::int64_t chunks) {
+  PlaneBlock b;
+  b.n = blockIdx.x / chunks;
+  b.l0 = (blockIdx.x % chunks) * rows;
+  b.l1 = min(p.l, b.l0 + rows);
+  b.groups = static_cast<int>(p.c / V);
+  b.tpr = min(b.groups, kThreads);
+  b.lanes = kThreads / b.tpr;
+  return b;
+}
+
+struct Moments {
+  float count, mean, m2;
+};
+
+// Chan et al.: the moments of the union of two disjoint sets.
+__device__ __forceinline__ Moments merge(const Moments& a, const Moments& b) {
+  const float count = a.count + b.count;
+  if (count == 0.0f) return a;
+  const float delta = b.mean - a.mean;
+  const float fb = b.count / count;
+  return {count, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.count * fb};
+}
+
+// ------------------------------------------------------------------------------------ kernels
+
+/// Weight [rows, cols] of any dtype and strides -> dense float32.
+__global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std::int64_t cols,
+                                   float* dst) {
+  const std::int64_t total = rows * cols;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    dst[i] = load_weight(src, i / cols, i % cols);
+  }
+}
+
+/// Per block: (count, mean, M2) of its conv values into partial [N chunks, 3].
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    plane_stats_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
+                       std::int64_t chunks, float* partial) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const int t = threadIdx.x;
+  Moments acc{0.0f, 0.0f, 0.0f};
+  if (t < b.tpr * b.lanes) {
+    for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
+      for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += b.lanes) {
+        float v[V];
+        conv_at<T, V>(p, w, b.n, l, static_cast<std::int64_t>(cg) * V, v);
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) sum += v[k];
+        const float mean = sum / V;
+        float m2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < V; ++k) m2 += (v[k] - mean) * (v[k] - mean);
+        acc = merge(acc, {static_cast<float>(V), mean, m2});
+      }
+    }
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+    const Moments other{__shfl_down_sync(0xffffffffu, acc.count, offset),
+                        __shfl_down_sync(0xffffffffu, acc.mean, offset),
+                        __shfl_down_sync(0xffffffffu, acc.m2, offset)};
+    acc = merge(acc, other);
+  }
+  __shared__ Moments warps[kThreads / kWarpSize];
+  if (t % kWarpSize == 0) warps[t / kWarpSize] = acc;
+  __syncthreads();
+  if (t == 0) {
+    Moments total = warps[0];
+    for (int i = 1; i < kThreads / kWarpSize; ++i) total = merge(total, warps[i]);
+    float* dst = partial + 3 * static_cast<std::int64_t>(blockIdx.x);
+    dst[0] = total.count;
+    dst[1] = total.mean;
+    dst[2] = total.m2;
+  }
+}
+
+/// Per example: its partials merged in block order (double) -> mean and rstd, into the
+/// workspace [N] and, when given, the caller's outputs.
+__global__ void stats_finalize_kernel(const float* partial, std::int64_t n_examples,
+                                      std::int64_t chunks, double eps, float* mean_ws,
+                                      float* rstd_ws, const CheriStat mean_out,
+                                      const CheriStat rstd_out) {
+  const std::int64_t n = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= n_examples) return;
+  double count = 0, mean = 0, m2 = 0;
+  for (std::int64_t i = 0; i < chunks; ++i) {
+    const float* part = partial + 3 * (n * chunks + i);
+    const double cb = part[0], mb = part[1], qb = part[2];
+    const double total = count + cb;
+    if (total == 0) continue;
+    const double delta = mb - mean;
+    mean += delta * cb / total;
+    m2 += qb + delta * delta * count * cb / total;
+    count = total;
+  }
+  const float mean_f = static_cast<float>(mean);
+  const float rstd_f = static_cast<float>(1.0 / sqrt(m2 / count + eps));
+  mean_ws[n] = mean_f;
+  rstd_ws[n] = rstd_f;
+  if (mean_out.data) mean_out.data[n * mean_out.stride] = mean_f;
+  if (rstd_out.data) rstd_out.data[n * rstd_out.stride] = rstd_f;
+}
+
+/// y = (conv - mean) * rstd for every row, into `y` (x's dtype, or a dense float32 buffer).
+template <typename T, typename O, int V>
+__global__ void __launch_bounds__(kThreads)
+    conv_norm_apply_kernel(const CheriBlockParams p, const float* w, const CheriStat mean,
+                           const CheriStat rstd, const CheriActivation y) {
+  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
+  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = u / groups, c0 = (u % groups) * V;
+    const std::int64_t n = row / p.l, l = row % p.l;
+    float v[V];
+    conv_at<T, V>(p, w, n, l, c0, v);
+    const float m = mean.data[n * mean.stride], r = rstd.data[n * rstd.stride];
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = (v[k] - m) * r;
+    store_vec<O, V>(out_row_of<O>(y, n, l) + c0, v);
+  }
+}
+
+/// dst (dense float32 [N L, C]) = scale * src.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    scale_to_dense_kernel(const CheriBlockParams p, const CheriActivation src, float scale,
+                          float* dst) {
+  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
+  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = u / groups, c0 = (u % groups) * V;
+    float v[V];
+    load_vec<T, V>(row_of<T>(src, row / p.l, row % p.l) + c0, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] *= scale;
+    store_vec<float, V>(dst + row * p.c + c0, v);
+  }
+}
+
+/// out = x + residual_scale * mlp, mlp dense float32 [N L, C].
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    residual_kernel(const CheriBlockParams p, const float* mlp) {
+  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
+  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = u / groups, c0 = (u % groups) * V;
+    const std::int64_t n = row / p.l, l = row % p.l;
+    float x[V], m[V];
+    load_vec<T, V>(row_of<T>(p.x, n, l) + c0, x);
+    load_vec<float, V>(mlp + row * p.c + c0, m);
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] += p.residual_scale * m[k];
+    store_vec<T, V>(out_row_of<T>(p.out, n, l) + c0, x);
+  }
+}
+
+/// h -> GELU(h) in place (dense float32).
+__global__ void gelu_kernel(float* h, std::int64_t count) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < count; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    h[i] = gelu_tanh(h[i]);
+  }
+}
+
+/// h -> GELU(h) and dg -> dg * GELU'(h), in place (dense float32).
+__global__ void gelu_backward_kernel(float* h, float* dg, std::int64_t count) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < count; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const float v = h[i];
+    dg[i] *= gelu_tanh_grad(v);
+    h[i] = gelu_tanh(v);
+  }
+}
+
+/// Per block of the plane: sum dy and sum dy * y (y from the saved statistics) into
+/// partial [N chunks, 2].
+template <typename T, typename G, int V>
+__global__ void __launch_bounds__(kThreads)
+    grad_sums_kernel(const CheriBlockParams p, const float* w, const CheriActivation grad_y,
+                     std::int64_t rows, std::int64_t chunks, float* partial) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const int t = threadIdx.x;
+  const float mean = p.saved_mean.data[b.n * p.saved_mean.stride];
+  const float rstd = p.saved_rstd.data[b.n * p.saved_rstd.stride];
+  float sum_dy = 0.0f, sum_dy_y = 0.0f;
+  if (t < b.tpr * b.lanes) {
+    for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
+      const std::int64_t c0 = static_cast<std::int64_t>(cg) * V;
+      for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += b.lanes) {
+        float v[V], dy[V];
+        conv_at<T, V>(p, w, b.n, l, c0, v);
+        load_vec<G, V>(row_of<G>(grad_y, b.n, l) + c0, dy);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          sum_dy += dy[k];
+          sum_dy_y += dy[k] * ((v[k] - mean) * rstd);
+        }
+      }
+    }
+  }
+  sum_dy = warp_sum(sum_dy);
+  sum_dy_y = warp_sum(sum_dy_y);
+  __shared__ float warps[2][kThreads / kWarpSize];
+  if (t % kWarpSize == 0) {
+    warps[0][t / kWarpSize] = sum_dy;
+    warps[1][t / kWarpSize] = sum_dy_y;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float a = 0.0f, c = 0.0f;
+    for (int i = 0; i < kThreads / kWarpSize; ++i) {
+      a += warps[0][i];
+      c += warps[1][i];
+    }
+    partial[2 * static_cast<std::int64_t>(blockIdx.x)] = a;
+    partial[2 * static_cast<std::int64_t>(blockIdx.x) + 1] = c;
+  }
+}
+
+/// Per example: mean(dy) and mean(dy y) over the plane, its partials added in block order.
+__global__ void grad_sums_finalize_kernel(const float* partial, std::int64_t n_examples,
+                                          std::int64_t chunks, double plane, float* means) {
+  const std::int64_t n = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (n >= n_examples) return;
+  double a = 0, c = 0;
+  for (std::int64_t i = 0; i < chunks; ++i) {
+    a += partial[2 * (n * chunks + i)];
+    c += partial[2 * (n * chunks + i) + 1];
+  }
+  means[2 * n] = static_cast<float>(a / plane);
+  means[2 * n + 1] = static_cast<float>(c / plane);
+}
+
+struct DconvStats {
+  float mean, rstd, mean_dy, mean_dy_y;
+};
+
+/// dconv[n, l, c0 .. c0 + V) = rstd (dy - mean(dy) - y mean(dy y)); zero outside 0 <= l < L.
+template <typename T, typename G, int V>
+__device__ __forceinline__ void dconv_at(const CheriBlockParams& p, const float* w,
+                                         const CheriActivation& grad_y, const DconvStats& s,
+                                         std::int64_t n, std::int64_t l, std::int64_t c0,
+                                         float (&g)[V]) {
+  if (l < 0 || l >= p.l) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = 0.0f;
+    return;
+  }
+  float v[V], dy[V];
+  conv_at<T, V>(p, w, n, l, c0, v);
+  load_vec<G, V>(row_of<G>(grad_y, n, l) + c0, dy);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    g[k] = s.rstd * (dy[k] - s.mean_dy - ((v[k] - s.mean) * s.rstd) * s.mean_dy_y);
+  }
+}
+
+/// grad_x (plus grad_out when kResidual) and the block's share of the convolution weight
+/// gradient, partial [N chunks, 3, C]. dconv = rstd (dy - mean(dy) - y mean(dy y)) is recomputed
+/// at l and l +- d from x, the saved statistics and dy.
+template <typename T, typename G, int V, bool kResidual>
+__global__ void __launch_bounds__(kThreads)
+    conv_norm_backward_kernel(const CheriBlockParams p, const float* w,
+                              const CheriActivation grad_y, const float* means,
+                              std::int64_t rows, std::int64_t chunks, float* partial) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const int t = threadIdx.x;
+  const float mean = p.saved_mean.data[b.n * p.saved_mean.stride];
+  const float rstd = p.saved_rstd.data[b.n * p.saved_rstd.stride];
+  const DconvStats stats{mean, rstd, means[2 * b.n], means[2 * b.n + 1]};
+  const std::int64_t d = p.dilation;
+  __shared__ float red[kThreads][3 * V];  // [thread][tap, channel]
+
+
+  const bool active_thread = t < b.tpr * b.lanes;
+  const int iterations = (b.groups + b.tpr - 1) / b.tpr;
+  for (int it = 0; it < iterations; ++it) {
+    const int cg = t % b.tpr + it * b.tpr;
+    float gw[3][V] = {};
+    if (active_thread && cg < b.groups) {
+      const std::int64_t c0 = static_cast<std::int64_t>(cg) * V;
+      float w0[V], w1[V], w2[V];
+      load_vec<float, V>(w + c0, w0);
+      load_vec<float, V>(w + p.c + c0, w1);
+      load_vec<float, V>(w + 2 * p.c + c0, w2);
+      for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += b.lanes) {
+        float mid[V], right[V], left[V], x[V];
+        dconv_at<T, G, V>(p, w, grad_y, stats, b.n, l, c0, mid);
+        dconv_at<T, G, V>(p, w, grad_y, stats, b.n, l + d, c0, right);
+        dconv_at<T, G, V>(p, w, grad_y, stats, b.n, l - d, c0, left);
+        float gx[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k] + w0[k] * right[k] + w2[k] * left[k];
+        if constexpr (kResidual) {
+          float go[V];
+          load_vec<T, V>(row_of<T>(p.grad_out, b.n, l) + c0, go);
+#pragma unroll
+          for (int k = 0; k < V; ++k) gx[k] += go[k];
+        }
+        store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
+        load_vec<T, V>(row_of<T>(p.x, b.n, l) + c0, x);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * x[k];
+        if (l >= d) {
+          load_vec<T, V>(row_of<T>(p.x, b.n, l - d) + c0, x);
+#pragma unroll
+          for (int k = 0; k < V; ++k) gw[0][k] += mid[k] * x[k];
+        }
+        if (l + d < p.l) {
+          load_vec<T, V>(row_of<T>(p.x, b.n, l + d) + c0, x);
+#pragma unroll
+          for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * x[k];
+        }
+      }
+    }
+#pragma unroll
+    for (int tap = 0; tap < 3; ++tap) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) red[t][tap * V + k] = gw[tap][k];
+    }
+    __syncthreads();
+    // Thread (tap, group, k) adds the row lanes of its column in order.
+    for (int i = t; i < 3 * b.tpr * V; i += kThreads) {
+      const int tap = i / (b.tpr * V), rem = i % (b.tpr * V), g = rem / V, k = rem % V;
+      const std::int64_t c = (static_cast<std::int64_t>(g) + it * b.tpr) * V + k;
+      if (c >= p.c) continue;
+      float s = 0.0f;
+      for (int lane = 0; lane < b.lanes; ++lane) s += red[lane * b.tpr + g][tap * V + k];
+      partial[(static_cast<std::int64_t>(blockIdx.x) * 3 + tap) * p.c + c] = s;
+    }
+    __syncthreads();
+  }
+}
+
+/// dst[j / cols, j % cols] = sum over i of part[i, j], in order of i (double), j < width.
+__global__ void sum_partials_kernel(const float* part, std::int64_t count, std::int64_t width,
+                                    const CheriMatrix dst, std::int64_t cols) {
+  __shared__ double red[32][33];
+  const std::int64_t j = blockIdx.x * 32 + threadIdx.x;
+  double s = 0;
+  if (j < width) {
+    for (std::int64_t i = threadIdx.y; i < count; i += 32) s += part[i * width + j];
+  }
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < width) {
+    double total = 0;
+    for (int i = 0; i < 32; ++i) total += red[i][threadIdx.x];
+    store_weight(dst, j / cols, j % cols, static_cast<float>(total));
+  }
+}
+
+// ------------------------------------------------------------------------------------ inference
+
+constexpr int kTileRows = 64;     // rows of (n, l) per tile of the fused inference kernel
+constexpr int kHiddenChunk = 64;  // hidden columns per GEMM1 -> GELU -> GEMM2 step
+constexpr int kPad = 8;           // halves after each shared row: ldmatrix rows on distinct banks
+
+template <typename T, int kC>
+std::size_t fused_smem_bytes(std::int64_t hidden) {
+  const auto h = static_cast<std::size_t>(hidden);
+  return 2 * kTileRows * kC * sizeof(T)                 // x tiles, double-buffered
+         + h * (kC + kPad) * sizeof(__half)             // linear1 [E C, C]
+         + kC * (h + kPad) * sizeof(__half)             // linear2 [C, E C]
+         + kTileRows * (kC + kPad) * sizeof(__half)     // A tile
+         + kTileRows * (kHiddenChunk + kPad) * sizeof(__half)  // GELU(h) chunk
+         + 3 * kC * sizeof(float);                      // taps
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// 8 warps: 2 along the tile's rows (32 each) by 4 along the columns (GEMM1: 16 of a hidden
+// chunk; GEMM2: C / 4 output channels).
+template <typename T, int kC>
+__global__ void __launch_bounds__(kThreads, 1)
+    cheri_inference_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
+                           const float* w2, const float* mean, const float* rstd) {
+  constexpr int kV = kVec16<T>;
+  constexpr int kLdA = kC + kPad;
+  constexpr int kLdG = kHiddenChunk + kPad;
+  constexpr int kNT2 = kC / 32;  // n8 tiles per warp in GEMM2
+  const int hidden = static_cast<int>(p.hidden);
+  const int ld_w2 = hidden + kPad;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);                                     // [2][64][C] x's dtype
+  __half* w1s = reinterpret_cast<__half*>(xs + 2 * kTileRows * kC);       // [E C][C + 8]
+  __half* w2s = w1s + static_cast<std::size_t>(hidden) * kLdA;            // [C][E C + 8]
+  __half* as = w2s + static_cast<std::size_t>(kC) * ld_w2;                // [64][C + 8]
+  __half* gs = as + kTileRows * kLdA;                                     // [64][64 + 8]
+  float* cw = reinterpret_cast<float*>(gs + kTileRows * kLdG);            // [3][C]
+
+  const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+  const int wm = warp / 4, wn = warp % 4;
+  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kTileRows);
+
+  for (int i = t; i < hidden * kC / 4; i += kThreads) {
+    const int e = 4 * i, r = e / kC, c = e % kC;
+    const float4 v = __ldg(reinterpret_cast<const float4*>(w1) + i);
+    __half2* dst = reinterpret_cast<__half2*>(w1s + r * kLdA + c);
+    dst[0] = __floats2half2_rn(v.x, v.y);
+    dst[1] = __floats2half2_rn(v.z, v.w);
+  }
+  for (int i = t; i < hidden * kC / 4; i += kThreads) {
+    const int e = 4 * i, r = e / hidden, c = e % hidden;
+    const float4 v = __ldg(reinterpret_cast<const float4*>(w2) + i);
+    __half2* dst = reinterpret_cast<__half2*>(w2s + r * ld_w2 + c);
+    dst[0] = __floats2half2_rn(v.x, v.y);
+    dst[1] = __floats2half2_rn(v.z, v.w);
+  }
+  for (int i = t; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
+
+  auto issue_x = [&](std::int64_t tile, int buf) {
+    constexpr int kPieces = kC * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces per row
+    T* dst = xs + buf * kTileRows * kC;
+    for (int i = t; i < kTileRows * kPieces; i += kThreads) {
+      const int r = i / kPieces, piece = i % kPieces;
+      const std::int64_t row = tile * kTileRows + r;
+      if (row < rows) {
+        cp_async_16(dst + r * kC + piece * kV, row_of<T>(p.x, row / p.l, row % p.l) + piece * kV);
+      }
+    }
+    cp_async_commit();
+  };
+
+  int buf = 0;
+  if (blockIdx.x < tiles) issue_x(blockIdx.x, 0);
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    cp_async_wait<0>();
+    __syncthreads();  // x of this tile landed; the previous tile's epilogue is done
+    if (tile + gridDim.x < tiles) issue_x(tile + gridDim.x, buf ^ 1);
+    const T* xt = xs + buf * kTileRows * kC;  // [64][C]
+
+    // A [64, C] float16 = (conv - mean) * rstd; rows past the end are zero.
+    constexpr int kGroups = kC / kV;
+#pragma unroll 4
+    for (int i = t; i < kTileRows * kGroups; i += kThreads) {
+      const int r = i / kGroups, c0 = (i % kGroups) * kV;
+      const std::int64_t row = tile * kTileRows + r;
+      float a[kV];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) a[k] = 0.0f;
+      if (row < rows) {
+        const std::int64_t n = row / p.l, l = row % p.l;
+        float mid[kV], tap[kV];
+        load_shared_floats<T, kV>(xt + r * kC + c0, mid);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) a[k] = cw[kC + c0 + k] * mid[k];
+        if (l >= p.dilation) {
+          load_vec<T, kV>(row_of<T>(p.x, n, l - p.dilation) + c0, tap);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) a[k] += cw[c0 + k] * tap[k];
+        }
+        if (l + p.dilation < p.l) {
+          load_vec<T, kV>(row_of<T>(p.x, n, l + p.dilation) + c0, tap);
+#pragma unroll
+          for (int k = 0; k < kV; ++k) a[k] += cw[2 * kC + c0 + k] * tap[k];
+        }
+        const float m = mean[n], rs = rstd[n];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) a[k] = (a[k] - m) * rs;
+      }
+      __half2* dst = reinterpret_cast<__half2*>(as + r * kLdA + c0);
+#pragma unroll
+      for (int k = 0; k < kV / 2; ++k) dst[k] = __floats2half2_rn(a[2 * k], a[2 * k + 1]);
+    }
+    __syncthreads();
+
+    float acc2[2][kNT2][4] = {};  // [m16 tile][n8 tile][fragment]: out rows 32 wm.., cols C/4 wn..
+    for (int hc = 0; hc < hidden; hc += kHiddenChunk) {
+      float acc1[2][2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kC; kk += 16) {
+        std::uint32_t a[2][4], b[4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          ldmatrix_x4(a[mi], as + (32 * wm + 16 * mi + lane % 16) * kLdA + kk + (lane / 16) * 8);
+        }
+        ldmatrix_x4(b, w1s + (hc + 16 * wn + (lane & 7) + ((lane >> 4) << 3)) * kLdA + kk +
+                           ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma_16816(acc1[mi][0], a[mi], b[0], b[1]);
+          mma_16816(acc1[mi][1], a[mi], b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
+            const int c = 16 * wn + 8 * ni + 2 * (lane % 4);
+            *reinterpret_cast<__half2*>(gs + r * kLdG + c) = __floats2half2_rn(
+                gelu_tanh(acc1[mi][ni][2 * h2]), gelu_tanh(acc1[mi][ni][2 * h2 + 1]));
+          }
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kHiddenChunk; kk += 16) {
+        std::uint32_t a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          ldmatrix_x4(a[mi], gs + (32 * wm + 16 * mi + lane % 16) * kLdG + kk + (lane / 16) * 8);
+        }
+#pragma unroll
+        for (int np = 0; np < kNT2 / 2; ++np) {
+          std::uint32_t b[4];
+          ldmatrix_x4(b, w2s + ((kC / 4) * wn + 16 * np + (lane & 7) + ((lane >> 4) << 3)) * ld_w2 +
+                             hc + kk + ((lane >> 3) & 1) * 8);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_16816(acc2[mi][2 * np], a[mi], b[0], b[1]);
+            mma_16816(acc2[mi][2 * np + 1], a[mi], b[2], b[3]);
+          }
+        }
+      }
+      __syncthreads();  // the GELU chunk is free again
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
+        const std::int64_t row = tile * kTileRows + r;
+        if (row >= rows) continue;
+        T* dst = out_row_of<T>(p.out, row / p.l, row % p.l);
+#pragma unroll
+        for (int ni = 0; ni < kNT2; ++ni) {
+          const int c = (kC / 4) * wn + 8 * ni + 2 * (lane % 4);
+          const float x0 = to_float(xt[r * kC + c]), x1 = to_float(xt[r * kC + c + 1]);
+          store_pair<T>(dst + c, x0 + p.residual_scale * acc2[mi][ni][2 * h2],
+                        x1 + p.residual_scale * acc2[mi][ni][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ------------------------------------------------------------------------------------ host
+
+/// Pieces of one workspace, each 256-byte aligned (what cuBLASLt assumes of its operands).
+class Carve {
+ public:
+  std::size_t take(std::size_t bytes) {
+    const std::size_t offset = total_;
+    total_ += (bytes + 255) / 256 * 256;
+    return offset;
+  }
+  std::size_t total() const { return total_; }
+
+ private:
+  std::size_t total_ = 0;
+};
+
+template <typename U>
+U* at(const StreamWorkspace& ws, std::size_t offset) {
+  return reinterpret_cast<U*>(ws.as<unsigned char>() + offset);
+}
+
+std::size_t floats(std::int64_t count) {
+  return static_cast<std::size_t>(count) * sizeof(float);
+}
+
+unsigned grid_for(std::int64_t units, int device) {
+  const std::int64_t cap = static_cast<std::int64_t>(multiprocessor_count(device)) * 16;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min(ceil_div(units, kThreads), cap)));
+}
+
+/// Whether [N, L, C] rows of `a` (element size `bytes`) can be read in 16-byte pieces.
+bool rows_aligned(const CheriActivation& a, const CheriBlockParams& p, std::size_t bytes) {
+  const auto piece = static_cast<std::int64_t>(16 / bytes);
+  return p.c % piece == 0 && is_aligned(a.data, 16) && a.stride[0] % piece == 0 &&
+         a.stride[1] % piece == 0;
+}
+
+struct PlaneGrid {
+  std::int64_t rows;    // of L per block
+  std::int64_t chunks;  // blocks per example
+};
+
+PlaneGrid plane_grid(const CheriBlockParams& p) {
+  const std::int64_t rows = std::clamp<std::int64_t>(kBlockElements / p.c, 1, p.l);
+  return {rows, ceil_div(p.l, rows)};
+}
+
+void pack(const CheriMatrix& m, std::int64_t rows, std::int64_t cols, float* dst, int device,
+          cudaStream_t stream) {
+  pack_matrix_kernel<<<grid_for(rows * cols, device), kThreads, 0, stream>>>(m, rows, cols, dst);
+  FUSEKIT_CUDA_CHECK_LAUNCH("pack_matrix_kernel");
+}
+
+void sum_partials(const float* part, std::int64_t count, std::int64_t width,
+                  const CheriMatrix& dst, std::int64_t cols, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>(ceil_div(width, 32));
+  sum_partials_kernel<<<blocks, dim3(32, 32), 0, stream>>>(part, count, width, dst, cols);
+  FUSEKIT_CUDA_CHECK_LAUNCH("sum_partials_kernel");
+}
+
+/// Calls f(std::integral_constant<int, V>) with V = 16 bytes of T when `vector`, else 1.
+template <typename T, typename F>
+void with_vec(bool vector, F&& f) {
+  if (vector) {
+    f(std::integral_constant<int, kVec16<T>>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+/// The statistics of every example into mean_ws and rstd_ws [N] (and p.mean, p.rstd if set).
+template <typename T>
+void plane_statistics(const CheriBlockParams& p, const float* conv_w, float* partial,
+                      float* mean_ws, float* rstd_ws, cudaStream_t stream) {
+  const PlaneGrid g = plane_grid(p);
+  const auto blocks = static_cast<unsigned>(p.n * g.chunks);
+  with_vec<T>(rows_aligned(p.x, p, sizeof(T)), [&](auto v) {
+    plane_stats_kernel<T, decltype(v)::value>
+        <<<blocks, kThreads, 0, stream>>>(p, conv_w, g.rows, g.chunks, partial);
+    FUSEKIT_CUDA_CHECK_LAUNCH("plane_stats_kernel");
+  });
+  stats_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0, stream>>>(
+      partial, p.n, g.chunks, p.eps, mean_ws, rstd_ws, p.mean, p.rstd);
+  FUSEKIT_CUDA_CHECK_LAUNCH("stats_finalize_kernel");
+}
+
+/// y into `y` of type O (x's dtype in the caller's layout, or a dense float32 buffer).
+template <typename T, typename O>
+void conv_norm_apply(const CheriBlockParams& p, const float* conv_w, const CheriStat& mean,
+                     const CheriStat& rstd, const CheriActivation& y, int device,
+                     cudaStream_t stream) {
+  const bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(y, p, sizeof(O)) &&
+                      rows_aligned(y, p, sizeof(T));
+  with_vec<T>(vector, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    conv_norm_apply_kernel<T, O, V>
+        <<<grid_for(p.n * p.l * (p.c / V), device), kThreads, 0, stream>>>(p, conv_w, mean, rstd,
+                                                                          y);
+    FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_apply_kernel");
+  });
+}
+
+CheriActivation dense(float* data, const CheriBlockParams& p) {
+  return {data, {p.l * p.c, p.c}};
+}
+
+/// The backward of the norm and the convolution: grad_x (plus grad_out when `residual`) and
+/// grad_conv_weight, from grad_y of type G (x's dtype in the caller's layout, or dense float32).
+template <typename T, typename G>
+void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
+                        bool residual, int device, cudaStream_t stream) {
+  const PlaneGrid g = plane_grid(p);
+  const std::int64_t blocks = p.n * g.chunks;
+  Carve carve;
+  const std::size_t o_sums = carve.take(floats(2 * blocks));
+  const std::size_t o_means = carve.take(floats(2 * p.n));
+  const std::size_t o_part = carve.take(floats(blocks * 3 * p.c));
+  const StreamWorkspace ws(carve.total(), stream);
+  float* sums = at<float>(ws, o_sums);
+  float* means = at<float>(ws, o_means);
+  float* part = at<float>(ws, o_part);
+  if (blocks > 0) {
+    bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
+                  rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T));
+    if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
+    with_vec<T>(vector, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      grad_sums_kernel<T, G, V>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, g.rows,
+                                                                   g.chunks, sums);
+      FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_kernel");
+      grad_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0, stream>>>(
+          sums, p.n, g.chunks, static_cast<double>(p.l * p.c), means);
+      FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
+      const auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, means,
+                                                                       g.rows, g.chunks, part);
+        FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_kernel");
+      };
+      if (residual) {
+        launch(conv_norm_backward_kernel<T, G, V, true>);
+      } else {
+        launch(conv_norm_backward_kernel<T, G, V, false>);
+      }
+    });
+  }
+  sum_partials(part, blocks, 3 * p.c, p.grad_conv_weight, p.c, stream);
+}
+
+// ------------------------------------------------------------------------------------ cuBLASLt
+
+/// A row-major operand: [rows, cols] as stored, or its transpose when `transposed`.
+struct Operand {
+  const float* data;
+  std::int64_t ld;
+  bool transposed;
+  std::int64_t batch_stride = 0;
+};
+
+using GemmKey = std::tuple<int, bool, std::int64_t, std::int64_t, std::int64_t, bool, bool,
+                           std::int64_t, std::int64_t, std::int64_t, int>;
+
+/// Row-major D [m, n] (ld ldd) = A [m, k] B [k, n], float32, `batch` times (strided).
+void gemm(std::int64_t m, std::int64_t n, std::int64_t k, const Operand& a, const Operand& b,
+          float* d, std::int64_t ldd, std::int64_t d_stride, int batch, bool tf32, int device,
+          cudaStream_t stream) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  // Column-major: D^T [n, m] = B^T [n, k] A^T [k, m]; cuBLASLt's A is our B and its B our A.
+  const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cublasOperation_t op_a = b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const auto u64 = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+  LtObjects lt;
+  FUSEKIT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt.desc, compute, CUDA_R_32F));
+  set_desc(lt.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+  set_desc(lt.desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+  if (b.transposed) {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.a, CUDA_R_32F, u64(k), u64(n), b.ld));
+  } else {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.a, CUDA_R_32F, u64(n), u64(k), b.ld));
+  }
+  if (a.transposed) {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.b, CUDA_R_32F, u64(m), u64(k), a.ld));
+  } else {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.b, CUDA_R_32F, u64(k), u64(m), a.ld));
+  }
+  FUSEKIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lt.d, CUDA_R_32F, u64(n), u64(m), ldd));
+  if (batch > 1) {
+    const std::int32_t count = batch;
+    for (auto [layout, stride] : {std::pair{lt.a, b.batch_stride}, std::pair{lt.b, a.batch_stride},
+                                  std::pair{lt.d, d_stride}}) {
+      set_layout(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count);
+      set_layout(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride);
+    }
+  }
+
+  const GemmKey key{device, tf32, m, n, k, a.transposed, b.transposed, a.ld, b.ld, ldd, batch};
+  const cublasLtHandle_t handle = lt_handle(device);
+  static std::mutex mutex;
+  static std::map<GemmKey, cublasLtMatmulHeuristicResult_t> cache;
+  cublasLtMatmulHeuristicResult_t chosen{};
+  bool cached = false;
+  {
+    const std::lock_guard lock(mutex);
+    if (auto it = cache.find(key); it != cache.end()) {
+      chosen = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&lt.pref));
+    const std::uint64_t max_ws = kMaxGemmWorkspace;
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        lt.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws)));
+    // No split-K: its partial sums could be added in an order that varies between runs.
+    const std::uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        lt.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &scheme, sizeof(scheme)));
+    int found = 0;
+    FUSEKIT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, lt.desc, lt.a, lt.b, lt.d, lt.d,
+                                                        lt.pref, 1, &chosen, &found));
+    FUSEKIT_CHECK(found > 0, kOp, ": cuBLASLt has no algorithm for the product [", m, ", ", k,
+                  "] x [", k, ", ", n, "] (batch ", batch, ")");
+    const std::lock_guard lock(mutex);
+    cache.emplace(key, chosen);
+  }
+  const StreamWorkspace ws(chosen.workspaceSize, stream);
+  const float alpha = 1.0f, beta = 0.0f;
+  FUSEKIT_CUBLAS_CHECK(cublasLtMatmul(handle, lt.desc, &alpha, b.data, lt.a, a.data, lt.b, &beta,
+                                      d, lt.d, d, lt.d, &chosen.algo, ws.as<void>(),
+                                      chosen.workspaceSize, stream));
+}
+
+/// sum over rows r of A[r, :]^T B[r, :] for dense A [M, ma] and B [M, nb]: one product per slice
+/// of kSliceRows rows into part [slices, ma, nb]; returns the number of slices.
+std::int64_t slice_products(std::int64_t rows, std::int64_t ma, std::int64_t nb, const float* a,
+                            const float* b, float* part, bool tf32, int device,
+                            cudaStream_t stream) {
+  const std::int64_t full = rows / kSliceRows, tail = rows % kSliceRows;
+  if (full > 0) {
+    gemm(ma, nb, kSliceRows, {a, ma, true, kSliceRows * ma}, {b, nb, false, kSliceRows * nb},
+         part, nb, ma * nb, static_cast<int>(full), tf32, device, stream);
+  }
+  if (tail > 0) {
+    gemm(ma, nb, tail, {a + full * kSliceRows * ma, ma, true}, {b + full * kSliceRows * nb, nb, false},
+         part + full * ma * nb, nb, 0, 1, tf32, device, stream);
+  }
+  return full + (tail > 0 ? 1 : 0);
+}
+
+// ------------------------------------------------------------------------------------ passes
+
+bool use_tf32(const CheriBlockParams& p) { return p.dtype == DType::Float32 && p.allow_tf32; }
+
+/// The block's forward through float32 buffers and cuBLASLt: out, and the statistics.
+template <typename T>
+void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_t stream) {
+  const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
+  const PlaneGrid g = plane_grid(p);
+  Carve carve;
+  const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
+                    o_w2 = carve.take(floats(c * h)),
+                    o_part = carve.take(floats(3 * p.n * g.chunks)),
+                    o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n)),
+                    o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h)),
+                    o_o = carve.take(floats(rows * c));
+  const StreamWorkspace ws(carve.total(), stream);
+  float* conv_w = at<float>(ws, o_conv);
+  float* w1 = at<float>(ws, o_w1);
+  float* w2 = at<float>(ws, o_w2);
+  float* mean = at<float>(ws, o_mean);
+  float* rstd = at<float>(ws, o_rstd);
+  float* y = at<float>(ws, o_y);
+  float* hid = at<float>(ws, o_h);
+  float* mlp = at<float>(ws, o_o);
+  pack(p.conv_weight, 3, c, conv_w, device, stream);
+  pack(p.linear1, h, c, w1, device, stream);
+  pack(p.linear2, c, h, w2, device, stream);
+  plane_statistics<T>(p, conv_w, at<float>(ws, o_part), mean, rstd, stream);
+  conv_norm_apply<T, float>(p, conv_w, {mean, 1}, {rstd, 1}, dense(y, p), device, stream);
+  gemm(rows, h, c, {y, c, false}, {w1, c, true}, hid, h, 0, 1, tf32, device, stream);
+  gelu_kernel<<<grid_for(rows * h, device), kThreads, 0, stream>>>(hid, rows * h);
+  FUSEKIT_CUDA_CHECK_LAUNCH("gelu_kernel");
+  gemm(rows, c, h, {hid, h, false}, {w2, h, true}, mlp, c, 0, 1, tf32, device, stream);
+  const bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
+  with_vec<T>(vector, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    residual_kernel<T, V><<<grid_for(rows * (c / V), device), kThreads, 0, stream>>>(p, mlp);
+    FUSEKIT_CUDA_CHECK_LAUNCH("residual_kernel");
+  });
+}
+
+template <typename T>
+void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  const bool tf32 = use_tf32(p);
+  const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
+  const std::int64_t slices = ceil_div(rows, kSliceRows);
+  Carve carve;
+  const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
+                    o_w2 = carve.take(floats(c * h)), o_y = carve.take(floats(rows * c)),
+                    o_dz = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h)),
+                    o_dg = carve.take(floats(rows * h)), o_dy = carve.take(floats(rows * c)),
+                    o_p1 = carve.take(floats(slices * h * c)),
+                    o_p2 = carve.take(floats(slices * c * h));
+  const StreamWorkspace ws(carve.total(), stream);
+  float* conv_w = at<float>(ws, o_conv);
+  float* w1 = at<float>(ws, o_w1);
+  float* w2 = at<float>(ws, o_w2);
+  float* y = at<float>(ws, o_y);
+  float* dz = at<float>(ws, o_dz);
+  float* hid = at<float>(ws, o_h);
+  float* dg = at<float>(ws, o_dg);
+  float* dy = at<float>(ws, o_dy);
+  float* part1 = at<float>(ws, o_p1);
+  float* part2 = at<float>(ws, o_p2);
+  pack(p.conv_weight, 3, c, conv_w, device, stream);
+  pack(p.linear1, h, c, w1, device, stream);
+  pack(p.linear2, c, h, w2, device, stream);
+  std::int64_t count1 = 0, count2 = 0;
+  if (rows > 0) {
+    conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device, stream);
+    const bool vector = rows_aligned(p.grad_out, p, sizeof(T));
+    with_vec<T>(vector, [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      scale_to_dense_kernel<T, V><<<grid_for(rows * (c / V), device), kThreads, 0, stream>>>(
+          p, p.grad_out, p.residual_scale, dz);
+      FUSEKIT_CUDA_CHECK_LAUNCH("scale_to_dense_kernel");
+    });
+    gemm(rows, h, c, {y, c, false}, {w1, c, true}, hid, h, 0, 1, tf32, device, stream);   // h
+    gemm(rows, h, c, {dz, c, false}, {w2, h, false}, dg, h, 0, 1, tf32, device, stream);  // dg
+    gelu_backward_kernel<<<grid_for(rows * h, device), kThreads, 0, stream>>>(hid, dg, rows * h);
+    FUSEKIT_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
+    count2 = slice_products(rows, c, h, dz, hid, part2, tf32, device, stream);  // dz^T g
+    count1 = slice_products(rows, h, c, dg, y, part1, tf32, device, stream);    // dh^T y
+    gemm(rows, c, h, {dg, h, false}, {w1, c, false}, dy, c, 0, 1, tf32, device, stream);  // dy
+  }
+  sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
+  sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
+  conv_norm_backward<T, float>(p, conv_w, dense(dy, p), true, device, stream);
+}
+
+template <typename T, int kC>
+void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  const std::int64_t c = p.c, h = p.hidden;
+  const PlaneGrid g = plane_grid(p);
+  Carve carve;
+  const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
+                    o_w2 = carve.take(floats(c * h)),
+                    o_part = carve.take(floats(3 * p.n * g.chunks)),
+                    o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
+  const StreamWorkspace ws(carve.total(), stream);
+  float* conv_w = at<float>(ws, o_conv);
+  float* w1 = at<float>(ws, o_w1);
+  float* w2 = at<float>(ws, o_w2);
+  float* mean = at<float>(ws, o_mean);
+  float* rstd = at<float>(ws, o_rstd);
+  pack(p.conv_weight, 3, c, conv_w, device, stream);
+  pack(p.linear1, h, c, w1, device, stream);
+  pack(p.linear2, c, h, w2, device, stream);
+  CheriBlockParams q = p;
+  q.mean = {};
+  q.rstd = {};
+  plane_statistics<T>(q, conv_w, at<float>(ws, o_part), mean, rstd, stream);
+  const std::size_t smem = fused_smem_bytes<T, kC>(h);
+  const auto kernel = cheri_inference_kernel<T, kC>;
+  FUSEKIT_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem)));
+  const std::int64_t tiles = ceil_div(p.n * p.l, kTileRows);
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::int64_t>(tiles, multiprocessor_count(device)));
+  kernel<<<blocks, kThreads, smem, stream>>>(q, conv_w, w1, w2, mean, rstd);
+  FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_kernel");
+}
+
+/// Whether the fused inference kernel for C = kC takes this call.
+template <typename T, int kC>
+bool fused_fits(const CheriBlockParams& p, int device) {
+  return p.c == kC && p.hidden % kHiddenChunk == 0 &&
+         fused_smem_bytes<T, kC>(p.hidden) <=
+             static_cast<std::size_t>(max_shared_memory_per_block(device)) &&
+         rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
 }
 
 }  // namespace
 
-void launch_dilated_conv_norm(const CheriBlockParams& /*p*/, int /*device*/, Stream /*stream*/) {
-  not_implemented("dilated_conv_norm");
+void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    using T = typename CudaType<decltype(tag)::value>::type;
+    const PlaneGrid g = plane_grid(p);
+    Carve carve;
+    const std::size_t o_conv = carve.take(floats(3 * p.c)),
+                      o_part = carve.take(floats(3 * p.n * g.chunks)),
+                      o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
+    const StreamWorkspace ws(carve.total(), s);
+    float* conv_w = at<float>(ws, o_conv);
+    float* mean = at<float>(ws, o_mean);
+    float* rstd = at<float>(ws, o_rstd);
+    pack(p.conv_weight, 3, p.c, conv_w, device, s);
+    plane_statistics<T>(p, conv_w, at<float>(ws, o_part), mean, rstd, s);
+    conv_norm_apply<T, T>(p, conv_w, {mean, 1}, {rstd, 1}, p.out, device, s);
+  });
 }
 
-void launch_dilated_conv_norm_backward(const CheriBlockParams& /*p*/, int /*device*/,
-                                       Stream /*stream*/) {
-  not_implemented("dilated_conv_norm_backward");
+void launch_dilated_conv_norm_backward(const CheriBlockParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    using T = typename CudaType<decltype(tag)::value>::type;
+    const StreamWorkspace ws(floats(3 * p.c), s);
+    float* conv_w = ws.as<float>();
+    pack(p.conv_weight, 3, p.c, conv_w, device, s);
+    conv_norm_backward<T, T>(p, conv_w, p.grad_out, false, device, s);
+  });
 }
 
-void launch_cheri_block(const CheriBlockParams& /*p*/, int /*device*/, Stream /*stream*/) {
-  not_implemented("cheri_block");
+void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    using T = typename CudaType<decltype(tag)::value>::type;
+    block_forward<T>(p, use_tf32(p), device, s);
+  });
 }
 
-void launch_cheri_block_backward(const CheriBlockParams& /*p*/, int /*device*/,
-                                 Stream /*stream*/) {
-  not_implemented("cheri_block_backward");
+void launch_cheri_block_backward(const CheriBlockParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    using T = typename CudaType<decltype(tag)::value>::type;
+    block_backward<T>(p, device, s);
+  });
 }
 
-void launch_cheri_block_inference(const CheriBlockParams& /*p*/, int /*device*/,
-                                  Stream /*stream*/) {
-  not_implemented("cheri_block_inference");
+void launch_cheri_block_inference(const CheriBlockParams& p, int device, Stream stream) {
+  const CudaDeviceGuard guard(device);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch_floating(p.dtype, kOp, [&](auto tag) {
+    using T = typename CudaType<decltype(tag)::value>::type;
+    if (fused_fits<T, 128>(p, device)) {
+      inference_fused<T, 128>(p, device, s);
+    } else if (fused_fits<T, 64>(p, device)) {
+      inference_fused<T, 64>(p, device, s);
+    } else {
+      // The training forward's path, without keeping the statistics; TF32 products for float32.
+      CheriBlockParams q = p;
+      q.mean = {};
+      q.rstd = {};
+      block_forward<T>(q, p.dtype == DType::Float32, device, s);
+    }
+  });
 }
 
 }  // namespace fusekit::detail
