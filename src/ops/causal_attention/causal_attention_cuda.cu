@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "common/cuda_check.h"
@@ -63,12 +64,13 @@ struct Args {
 // of kStride elements: columns [0, d) from global memory, columns [d, kD) and every row outside
 // [lo, hi) as zeros. Rows outside are never read. `vector` copies 16-byte pieces by cp.async
 // (d, stride and src then hold whole pieces); else element by element.
+// Thread `tid` of kThreads takes every kThreads-th piece.
 template <typename Bits, int kRows, int kD, int kStride, int kThreads>
 __device__ __forceinline__ void load_rows(Bits* smem, const Bits* src, std::int64_t stride,
-                                          int row0, int lo, int hi, int d, bool vector) {
+                                          int row0, int lo, int hi, int d, bool vector, int tid) {
   constexpr int kPiece = 16 / static_cast<int>(sizeof(Bits));  // elements per 16 bytes
   constexpr int kPieces = kD / kPiece;                         // per row
-  for (int i = threadIdx.x; i < kRows * kPieces; i += kThreads) {
+  for (int i = tid; i < kRows * kPieces; i += kThreads) {
     const int r = i / kPieces, c = (i % kPieces) * kPiece, row = row0 + r;
     Bits* dst = smem + r * kStride + c;
     const bool inside = row >= lo && row < hi;
@@ -86,10 +88,12 @@ __device__ __forceinline__ void load_rows(Bits* smem, const Bits* src, std::int6
 }
 
 // ------------------------------------------------------------------------ the MMA policies
-// Each gives: the element type and its bit type, the shared-memory row padding, and
-//   scores(s, sq, sk, qf, ...)   s[n][4] = the warp's 16 query rows . kBlockN keys (float32)
-//   accumulate(o, s, sv)         o[n][4] += P V for the tile, P = s (already exponentiated)
-// All fragments have the m16n8 accumulator layout (see common/cuda_mma.cuh).
+// Each gives the element type and its bit type, the shared-memory row padding, and for a warp
+// that owns kMT tiles of 16 query rows:
+//   scores(s, qf, sq, sk)   s[mt][n][4] = those rows . the tile's kBlockN keys (float32)
+//   accumulate(o, p, sv)    o[mt][n][4] += P V for the tile (p: the exponentiated scores)
+// All fragments have the m16n8 accumulator layout (see common/cuda_mma.cuh); each operand
+// fragment read from shared memory serves all kMT row tiles.
 
 template <typename T>
 struct HalfMma {
@@ -117,23 +121,28 @@ struct HalfMma {
   }
 
   // The warp's query fragments, kept in registers for the whole walk.
-  template <int kD>
+  template <int kMT, int kD>
   struct QueryFragments {
-    std::uint32_t a[kD / 16][4];
+    std::uint32_t a[kMT][kD / 16][4];
   };
 
-  template <int kD, int kStride>
-  static __device__ __forceinline__ void load_queries(QueryFragments<kD>& qf, const Bits* sq,
-                                                      int lane) {
+  template <int kMT, int kD, int kStride>
+  static __device__ __forceinline__ void load_queries(QueryFragments<kMT, kD>& qf,
+                                                      const Bits* sq, int lane) {
     const Bits* row = sq + (lane & 15) * kStride + (lane >> 4) * 8;
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(qf.a[kk], row + kk * 16);
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        ldmatrix_x4(qf.a[mt][kk], row + mt * 16 * kStride + kk * 16);
+      }
+    }
   }
 
-  template <int kD, int kBlockN, int kStride>
-  static __device__ __forceinline__ void scores(float (&s)[kBlockN / 8][4],
-                                                const QueryFragments<kD>& qf, const Bits* sk,
-                                                int lane) {
+  template <int kMT, int kD, int kBlockN, int kStride>
+  static __device__ __forceinline__ void scores(float (&s)[kMT][kBlockN / 8][4],
+                                                const QueryFragments<kMT, kD>& qf, const Bits*,
+                                                const Bits* sk, int lane) {
     // Matrices of ldmatrix_x4: keys 0-7 and 8-15 of a pair of 8-key tiles, d low and high.
     const Bits* row = sk + ((lane & 7) + ((lane >> 4) << 3)) * kStride + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -142,30 +151,40 @@ struct HalfMma {
       for (int np = 0; np < kBlockN / 16; ++np) {
         std::uint32_t b[4];
         ldmatrix_x4(b, row + np * 16 * kStride + kk * 16);
-        mma(s[2 * np], qf.a[kk], b[0], b[1]);
-        mma(s[2 * np + 1], qf.a[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma(s[mt][2 * np], qf.a[mt][kk], b[0], b[1]);
+          mma(s[mt][2 * np + 1], qf.a[mt][kk], b[2], b[3]);
+        }
       }
     }
   }
 
-  template <int kD, int kBlockN, int kStride>
-  static __device__ __forceinline__ void accumulate(float (&o)[kD / 8][4],
-                                                    const float (&p)[kBlockN / 8][4],
+  template <int kMT, int kD, int kBlockN, int kStride>
+  static __device__ __forceinline__ void accumulate(float (&o)[kMT][kD / 8][4],
+                                                    const float (&p)[kMT][kBlockN / 8][4],
                                                     const Bits* sv, int lane) {
     // Transposed matrices: keys 0-7 and 8-15 of 16, d low then high.
     const Bits* row = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const std::uint32_t a[4] = {pack(p[2 * kk][0], p[2 * kk][1]),
-                                  pack(p[2 * kk][2], p[2 * kk][3]),
-                                  pack(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                                  pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+      std::uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+        a[mt][1] = pack(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+        a[mt][2] = pack(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+        a[mt][3] = pack(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         std::uint32_t b[4];
         ldmatrix_x4_trans(b, row + kk * 16 * kStride + dp * 16);
-        mma(o[2 * dp], a, b[0], b[1]);
-        mma(o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma(o[mt][2 * dp], a[mt], b[0], b[1]);
+          mma(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
       }
     }
   }
@@ -185,47 +204,59 @@ struct Tf32Mma {
     const std::uint32_t big = to_tf32(x);
     return {big, kSplit ? to_tf32(x - __uint_as_float(big)) : 0u};
   }
+  struct SplitA {
+    std::uint32_t big[4], small[4];
+  };
+  static __device__ __forceinline__ SplitA split(const float (&x)[4]) {
+    SplitA r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const Split e = split(x[i]);
+      r.big[i] = e.big;
+      r.small[i] = e.small;
+    }
+    return r;
+  }
 
   // c += a b, in three products (small terms first) or one.
-  static __device__ __forceinline__ void mma(float (&c)[4], const std::uint32_t (&a_big)[4],
-                                             const std::uint32_t (&a_small)[4], Split b0,
-                                             Split b1) {
+  static __device__ __forceinline__ void mma(float (&c)[4], const SplitA& a, Split b0, Split b1) {
     if constexpr (kSplit) {
-      mma_1688_tf32(c, a_small, b0.big, b1.big);
-      mma_1688_tf32(c, a_big, b0.small, b1.small);
+      mma_1688_tf32(c, a.small, b0.big, b1.big);
+      mma_1688_tf32(c, a.big, b0.small, b1.small);
     }
-    mma_1688_tf32(c, a_big, b0.big, b1.big);
+    mma_1688_tf32(c, a.big, b0.big, b1.big);
   }
 
   // Queries are read from shared memory at every tile (float32 fragments would take too many
   // registers to keep).
-  template <int kD>
+  template <int kMT, int kD>
   struct QueryFragments {};
 
-  template <int kD, int kStride>
-  static __device__ __forceinline__ void load_queries(QueryFragments<kD>&, const Bits*, int) {}
+  template <int kMT, int kD, int kStride>
+  static __device__ __forceinline__ void load_queries(QueryFragments<kMT, kD>&, const Bits*,
+                                                      int) {}
 
-  template <int kD, int kBlockN, int kStride>
-  static __device__ __forceinline__ void scores(float (&s)[kBlockN / 8][4],
-                                                const QueryFragments<kD>&, const Bits* sq,
+  template <int kMT, int kD, int kBlockN, int kStride>
+  static __device__ __forceinline__ void scores(float (&s)[kMT][kBlockN / 8][4],
+                                                const QueryFragments<kMT, kD>&, const Bits* sq,
                                                 const Bits* sk, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll 2
     for (int kk = 0; kk < kD / 8; ++kk) {
-      const Bits* q = sq + g * kStride + kk * 8 + t;
-      std::uint32_t a_big[4], a_small[4];
-      const float qa[4] = {__uint_as_float(q[0]), __uint_as_float(q[8 * kStride]),
-                           __uint_as_float(q[4]), __uint_as_float(q[8 * kStride + 4])};
+      SplitA a[kMT];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const Split x = split(qa[i]);
-        a_big[i] = x.big;
-        a_small[i] = x.small;
+      for (int mt = 0; mt < kMT; ++mt) {
+        const Bits* q = sq + (mt * 16 + g) * kStride + kk * 8 + t;
+        const float x[4] = {__uint_as_float(q[0]), __uint_as_float(q[8 * kStride]),
+                            __uint_as_float(q[4]), __uint_as_float(q[8 * kStride + 4])};
+        a[mt] = split(x);
       }
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
         const Bits* k = sk + (n * 8 + g) * kStride + kk * 8 + t;
-        mma(s[n], a_big, a_small, split(__uint_as_float(k[0])), split(__uint_as_float(k[4])));
+        const Split b0 = split(__uint_as_float(k[0])), b1 = split(__uint_as_float(k[4]));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma(s[mt][n], a[mt], b0, b1);
       }
     }
   }
@@ -233,43 +264,30 @@ struct Tf32Mma {
   // P's columns are the keys permuted within each 8-key tile: the accumulator holds keys 2t and
   // 2t + 1 where the A fragment wants t and t + 4, so the fragment takes them as they are and
   // V's rows are read in the same order (row t of B is key 2t, row t + 4 is key 2t + 1).
-  template <int kD, int kBlockN, int kStride>
-  static __device__ __forceinline__ void accumulate(float (&o)[kD / 8][4],
-                                                    const float (&p)[kBlockN / 8][4],
+  template <int kMT, int kD, int kBlockN, int kStride>
+  static __device__ __forceinline__ void accumulate(float (&o)[kMT][kD / 8][4],
+                                                    const float (&p)[kMT][kBlockN / 8][4],
                                                     const Bits* sv, int lane) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 8; ++kk) {
-      std::uint32_t a_big[4], a_small[4];
-      const float pa[4] = {p[kk][0], p[kk][2], p[kk][1], p[kk][3]};
+      SplitA a[kMT];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const Split x = split(pa[i]);
-        a_big[i] = x.big;
-        a_small[i] = x.small;
+      for (int mt = 0; mt < kMT; ++mt) {
+        const float x[4] = {p[mt][kk][0], p[mt][kk][2], p[mt][kk][1], p[mt][kk][3]};
+        a[mt] = split(x);
       }
       const Bits* v = sv + (kk * 8 + 2 * t) * kStride + g;
 #pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-        mma(o[n], a_big, a_small, split(__uint_as_float(v[n * 8])),
-            split(__uint_as_float(v[kStride + n * 8])));
+        const Split b0 = split(__uint_as_float(v[n * 8]));
+        const Split b1 = split(__uint_as_float(v[kStride + n * 8]));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) mma(o[mt][n], a[mt], b0, b1);
       }
     }
   }
 };
-
-// The scores' call differs in whether queries come from registers or shared memory.
-template <typename Mma, int kD, int kBlockN, int kStride>
-__device__ __forceinline__ void tile_scores(float (&s)[kBlockN / 8][4],
-                                            const typename Mma::template QueryFragments<kD>& qf,
-                                            const typename Mma::Bits* sq,
-                                            const typename Mma::Bits* sk, int lane) {
-  if constexpr (std::is_same_v<typename Mma::Element, float>) {
-    Mma::template scores<kD, kBlockN, kStride>(s, qf, sq, sk, lane);
-  } else {
-    Mma::template scores<kD, kBlockN, kStride>(s, qf, sk, lane);
-  }
-}
 
 // --------------------------------------------------------------------------------- output
 
@@ -301,33 +319,58 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
 
 // ---------------------------------------------------------------------------------- kernel
 
-template <typename Mma, int kD, int kBlockM, int kBlockN>
-struct Tiles {
-  static constexpr int kWarps = kBlockM / 16;
-  static constexpr int kThreads = kWarps * 32;
+// A block: kGroups groups of kWarps warps; a warp owns kMT tiles of 16 query rows, a group all
+// kBlockM = kWarps * 16 * kMT rows of the block. Group r walks key tiles r, r + kGroups, ...
+// with K and V buffers of its own, and the groups merge their softmax states at the end (two
+// groups halve the walk of a block, for launches with few blocks).
+template <typename Mma, int kD_, int kMT_, int kWarps_, int kBlockN_, int kGroups_>
+struct Config {
+  using Policy = Mma;
+  static constexpr int kD = kD_, kMT = kMT_, kWarps = kWarps_, kBlockN = kBlockN_;
+  static constexpr int kGroups = kGroups_;
+  static constexpr int kBlockM = kWarps * 16 * kMT;
+  static constexpr int kGroupThreads = kWarps * 32;
+  static constexpr int kThreads = kGroupThreads * kGroups;
   static constexpr int kStride = kD + Mma::kPad;  // elements per shared-memory row
   static constexpr int kQuery = kBlockM * kStride;
-  static constexpr int kKeys = kBlockN * kStride;  // one K or V stage
-  // 128-row tiles of up to 64 columns: two blocks per SM (128 registers a thread).
-  static constexpr int kMinBlocks = kD <= 64 && kWarps == 8 ? 2 : 1;
+  static constexpr int kKeys = kBlockN * kStride;  // one K or V buffer
+  using Bits = typename Mma::Bits;
   static constexpr std::size_t kSharedBytes =
-      sizeof(typename Mma::Bits) * static_cast<std::size_t>(kQuery + 4 * kKeys);
+      sizeof(Bits) * static_cast<std::size_t>(kQuery + 4 * kGroups * kKeys);
+  // What a group hands the other at the end: per lane m, l (2 rows each) and o.
+  static constexpr int kMergeFloats = kMT * (4 + kD / 2);
+  // 8 warps of up to 64 columns: two blocks per SM (128 registers a thread).
+  static constexpr int kMinBlocks = kThreads == 256 && kD <= 64 ? 2 : 1;
+  static_assert(kD % 16 == 0 && kBlockN % 16 == 0 && (kGroups == 1 || kGroups == 2));
+  static_assert(kGroups == 1 || sizeof(float) * kMergeFloats * kGroupThreads <=
+                                    sizeof(Bits) * 4 * kGroups * kKeys);
 };
 
-template <typename Mma, int kD, int kBlockM, int kBlockN>
-__global__ void __launch_bounds__(Tiles<Mma, kD, kBlockM, kBlockN>::kThreads,
-                                  Tiles<Mma, kD, kBlockM, kBlockN>::kMinBlocks)
-    attention_kernel(const Args a) {
-  using Tile = Tiles<Mma, kD, kBlockM, kBlockN>;
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads));
+}
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(const Args a) {
+  using Mma = typename C::Policy;
   using T = typename Mma::Element;
-  using Bits = typename Mma::Bits;
-  constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
-  static_assert(kD % 16 == 0 && kBlockN % 16 == 0 && kBlockM % 16 == 0);
+  using Bits = typename C::Bits;
+  constexpr int kD = C::kD, kMT = C::kMT, kBlockM = C::kBlockM, kBlockN = C::kBlockN;
+  constexpr int kStride = C::kStride;
 
   extern __shared__ uint4 shared[];
   Bits* sq = reinterpret_cast<Bits*>(shared);  // [kBlockM][kStride]
-  Bits* sk = sq + Tile::kQuery;                // [2][kBlockN][kStride]
-  Bits* sv = sk + 2 * Tile::kKeys;             // [2][kBlockN][kStride]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = warp / C::kWarps, group_warp = warp % C::kWarps;
+  const int group_tid = threadIdx.x % C::kGroupThreads;
+  Bits* sk = sq + C::kQuery + group * 4 * C::kKeys;  // this group's [2][kBlockN][kStride]
+  Bits* sv = sk + 2 * C::kKeys;                       // and [2][kBlockN][kStride]
 
   // Longest first: the block index runs over (query tile from the last, sequence and head).
   const int tile = a.query_tiles - 1 - static_cast<int>(blockIdx.x / a.heads);
@@ -340,174 +383,277 @@ __global__ void __launch_bounds__(Tiles<Mma, kD, kBlockM, kBlockN>::kThreads,
   const Bits* k = static_cast<const Bits*>(a.k) + b * a.k_stride[0] + kvh * a.k_stride[1];
   const Bits* v = static_cast<const Bits*>(a.v) + b * a.v_stride[0] + kvh * a.v_stride[1];
 
-  // Keys [pad, key_end): the causal range of the tile's last row.
+  // Keys [pad, key_end): the causal range of the tile's last row; this group's share of them.
   const int key_end = min(a.t, m0 + kBlockM);
   const int key_tiles = key_end > pad ? (key_end - pad + kBlockN - 1) / kBlockN : 0;
+  const int my_tiles = key_tiles > group ? (key_tiles - group + C::kGroups - 1) / C::kGroups : 0;
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t4 = lane & 3;
-  const int warp_row0 = m0 + warp * 16;  // the warp's first query row
+  const int warp_row0 = m0 + group_warp * 16 * kMT;  // the warp's first query row
 
-  float o[kD / 8][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY};  // per row g and g + 8, in log2 units
-  float l_run[2] = {0.0f, 0.0f};            // this lane's part of the row sums
+  float o[kMT][kD / 8][4] = {};
+  float m_run[kMT][2], l_run[kMT][2];  // per row g and g + 8 of each row tile; m in log2 units
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.0f;  // this lane's part of the row sums
+  }
 
   if (key_tiles > 0) {
-    load_rows<Bits, kBlockM, kD, kStride, kThreads>(sq, q, a.q_stride[2], m0, pad, a.t, a.d,
-                                                    a.vector_loads);
-    auto load_keys = [&](int j, int stage) {
-      const int j0 = pad + j * kBlockN;
-      load_rows<Bits, kBlockN, kD, kStride, kThreads>(sk + stage * Tile::kKeys, k, a.k_stride[2],
-                                                      j0, j0, key_end, a.d, a.vector_loads);
-      load_rows<Bits, kBlockN, kD, kStride, kThreads>(sv + stage * Tile::kKeys, v, a.v_stride[2],
-                                                      j0, j0, key_end, a.d, a.vector_loads);
+    auto load_keys = [&](int i, int stage) {  // the group's i-th tile
+      const int j0 = pad + (group + i * C::kGroups) * kBlockN;
+      load_rows<Bits, kBlockN, kD, kStride, C::kGroupThreads>(
+          sk + stage * C::kKeys, k, a.k_stride[2], j0, j0, key_end, a.d, a.vector_loads,
+          group_tid);
+      load_rows<Bits, kBlockN, kD, kStride, C::kGroupThreads>(
+          sv + stage * C::kKeys, v, a.v_stride[2], j0, j0, key_end, a.d, a.vector_loads,
+          group_tid);
     };
-    load_keys(0, 0);
+    load_rows<Bits, kBlockM, kD, kStride, C::kThreads>(sq, q, a.q_stride[2], m0, pad, a.t, a.d,
+                                                       a.vector_loads, threadIdx.x);
+    if (my_tiles > 0) load_keys(0, 0);
     cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    typename Mma::template QueryFragments<kD> qf;
-    const Bits* warp_q = sq + warp * 16 * kStride;
-    for (int j = 0; j < key_tiles; ++j) {
-      const int stage = j & 1;
-      if (j + 1 < key_tiles) {
-        load_keys(j + 1, stage ^ 1);
+    typename Mma::template QueryFragments<kMT, kD> qf;
+    const Bits* warp_q = sq + group_warp * 16 * kMT * kStride;
+    Mma::template load_queries<kMT, kD, kStride>(qf, warp_q, lane);
+
+    for (int i = 0; i < my_tiles; ++i) {
+      const int stage = i & 1;
+      if (i + 1 < my_tiles) {
+        load_keys(i + 1, stage ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
       }
-      __syncthreads();
-      if (j == 0) Mma::template load_queries<kD, kStride>(qf, warp_q, lane);
 
-      float s[kBlockN / 8][4] = {};
-      tile_scores<Mma, kD, kBlockN, kStride>(s, qf, warp_q, sk + stage * Tile::kKeys, lane);
+      float s[kMT][kBlockN / 8][4] = {};
+      Mma::template scores<kMT, kD, kBlockN, kStride>(s, qf, warp_q, sk + stage * C::kKeys, lane);
 
       // Keys after a row's diagonal (the zero rows past key_end among them) get no weight.
-      const int j0 = pad + j * kBlockN;
+      const int j0 = pad + (group + i * C::kGroups) * kBlockN;
       if (j0 + kBlockN - 1 > warp_row0) {
 #pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n) {
+        for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = j0 + n * 8 + 2 * t4 + (e & 1), row = warp_row0 + g + (e >> 1) * 8;
-            if (key > row) s[n][e] = -INFINITY;
+          for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = j0 + n * 8 + 2 * t4 + (e & 1);
+              const int row = warp_row0 + mt * 16 + g + (e >> 1) * 8;
+              if (key > row) s[mt][n][e] = -INFINITY;
+            }
           }
         }
       }
 
-      // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3); the four lanes of
-      // a quad share a row.
+      // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3) of each row tile;
+      // the four lanes of a quad share a row.
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
+      for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[r], mx * a.scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
-        const float alpha = exp2f(m_run[r] - m_use);
-        m_run[r] = m_new;
-        float sum = 0.0f;
+        for (int r = 0; r < 2; ++r) {
+          float mx = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n) {
+          for (int n = 0; n < kBlockN / 8; ++n) {
+            mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[mt][r], mx * a.scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
+          const float alpha = fast_exp2(m_run[mt][r] - m_use);
+          m_run[mt][r] = m_new;
+          float sum = 0.0f;
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[n][e] = exp2f(fmaf(s[n][e], a.scale_log2, -m_use));
-            sum += s[n][e];
+          for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[mt][n][e] = fast_exp2(fmaf(s[mt][n][e], a.scale_log2, -m_use));
+              sum += s[mt][n][e];
+            }
+          }
+          l_run[mt][r] = l_run[mt][r] * alpha + sum;
+#pragma unroll
+          for (int n = 0; n < kD / 8; ++n) {
+            o[mt][n][2 * r] *= alpha;
+            o[mt][n][2 * r + 1] *= alpha;
           }
         }
-        l_run[r] = l_run[r] * alpha + sum;
+      }
+
+      Mma::template accumulate<kMT, kD, kBlockN, kStride>(o, s, sv + stage * C::kKeys, lane);
+      // The next tile has landed, and this one's buffers are free for the one after.
+      cp_async_wait<0>();
+      if constexpr (C::kGroups == 1) {
+        __syncthreads();
+      } else {
+        group_barrier(1 + group, C::kGroupThreads);
+      }
+    }
+  }
+
+  if constexpr (C::kGroups == 2) {
+    // Group 1 hands its state to group 0 through the (now free) key buffers.
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(sq + C::kQuery) + group_tid;
+    constexpr int kLanes = C::kGroupThreads;
+    if (group == 1) {
+      int x = 0;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          merge[kLanes * x++] = m_run[mt][r];
+          merge[kLanes * x++] = l_run[mt][r];
+        }
 #pragma unroll
         for (int n = 0; n < kD / 8; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) merge[kLanes * x++] = o[mt][n][e];
         }
       }
-
-      Mma::template accumulate<kD, kBlockN, kStride>(o, s, sv + stage * Tile::kKeys, lane);
-      __syncthreads();  // the next iteration's loads overwrite this stage's buffers
+    }
+    __syncthreads();
+    if (group == 1) return;
+    int x = 0;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      float alpha[2], beta[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_other = merge[kLanes * x++], l_other = merge[kLanes * x++];
+        const float m_new = fmaxf(m_run[mt][r], m_other);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[r] = fast_exp2(m_run[mt][r] - m_use);
+        beta[r] = fast_exp2(m_other - m_use);
+        m_run[mt][r] = m_new;
+        l_run[mt][r] = l_run[mt][r] * alpha[r] + l_other * beta[r];
+      }
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          o[mt][n][e] = o[mt][n][e] * alpha[e >> 1] + merge[kLanes * x++] * beta[e >> 1];
+        }
+      }
     }
   }
 
   // Rows: out = o / l; padding rows (and a tile with no keys) zeros and an lse of -inf.
   T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = warp_row0 + g + 8 * r;
-    if (row >= a.t) continue;
-    const bool real = row >= pad && l > 0.0f;
-    const float inv = real ? 1.0f / l : 0.0f;
-    T* dst = out + row * a.out_stride[2];
+  for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      const int c = n * 8 + 2 * t4;
-      if (c < a.d) {
-        store_pair(dst + c, o[n][2 * r] * inv, o[n][2 * r + 1] * inv, a.vector_stores,
-                   c + 1 < a.d);
+    for (int r = 0; r < 2; ++r) {
+      float l = l_run[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int row = warp_row0 + mt * 16 + g + 8 * r;
+      if (row >= a.t) continue;
+      const bool real = row >= pad && l > 0.0f;
+      const float inv = real ? 1.0f / l : 0.0f;
+      T* dst = out + row * a.out_stride[2];
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        const int c = n * 8 + 2 * t4;
+        if (c < a.d) {
+          store_pair(dst + c, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv,
+                     a.vector_stores, c + 1 < a.d);
+        }
       }
-    }
-    if (a.lse && t4 == 0) {
-      float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-      *lse = real ? m_run[r] * kLn2 + logf(l) : -INFINITY;
+      if (a.lse && t4 == 0) {
+        float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
+        *lse = real ? m_run[mt][r] * kLn2 + logf(l) : -INFINITY;
+      }
     }
   }
 }
 
 // ---------------------------------------------------------------------------------- launch
 
-// Dynamic shared memory above the default 48 KiB is opted into once per kernel and device.
+// Dynamic shared memory above the default 48 KiB is opted into once per kernel and device, with
+// the largest shared-memory carveout (so that two blocks fit on an SM).
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, std::size_t bytes, int device,
                          std::atomic<bool> (&done)[kMaxDevices]) {
-  if (bytes <= 48 * 1024) return;
   if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return;
   FUSEKIT_CHECK(bytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)), kOp,
                 ": the kernel needs ", bytes, " bytes of shared memory per block; the device "
                 "offers ", max_shared_memory_per_block(device));
   FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(bytes)));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
   if (device < kMaxDevices) done[device].store(true, std::memory_order_release);
 }
 
-template <typename Mma, int kD, int kBlockM, int kBlockN>
+template <typename C>
 void launch(Args a, int device, cudaStream_t stream) {
-  using Tile = Tiles<Mma, kD, kBlockM, kBlockN>;
   static std::atomic<bool> shared_allowed[kMaxDevices];
-  const auto kernel = attention_kernel<Mma, kD, kBlockM, kBlockN>;
-  allow_shared_memory(kernel, Tile::kSharedBytes, device, shared_allowed);
-  a.query_tiles = static_cast<int>((a.t + kBlockM - 1) / kBlockM);
+  const auto kernel = attention_kernel<C>;
+  allow_shared_memory(kernel, C::kSharedBytes, device, shared_allowed);
+  a.query_tiles = (a.t + C::kBlockM - 1) / C::kBlockM;
   const std::int64_t blocks = static_cast<std::int64_t>(a.query_tiles) * a.heads;
   FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
-                kBlockM, ") = ", blocks, " blocks, more than one launch takes (", 
+                C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
                 std::numeric_limits<int>::max(), ")");
-  kernel<<<static_cast<unsigned>(blocks), Tile::kThreads, Tile::kSharedBytes, stream>>>(a);
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(a);
   FUSEKIT_CUDA_CHECK_LAUNCH("attention_kernel");
 }
 
-// The head dimension rounds up to 32, 64, 128 or 256; the extra columns are zeros.
-template <typename Mma, int kBlockM64, int kBlockM128>
-void launch_head_dim(const Args& a, int device, cudaStream_t stream, bool big_batch) {
-  constexpr bool kFloat = std::is_same_v<typename Mma::Element, float>;
-  if (a.d <= 32) {
-    launch<Mma, 32, kBlockM64, 64>(a, device, stream);
-  } else if (a.d <= 64) {
-    if (big_batch) {
-      launch<Mma, 64, kBlockM128, 64>(a, device, stream);
+// How many blocks a configuration launches.
+std::int64_t blocks_of(const Args& a, int block_m) {
+  return static_cast<std::int64_t>(a.heads) * ((a.t + block_m - 1) / block_m);
+}
+
+// The head dimension rounds up to 32, 64, 128 or 256 (the extra columns are zeros). Launches
+// with few blocks split each block's keys between two groups of warps; large ones take 128 query
+// rows a block, so K and V are read half as often.
+template <typename Mma>
+void launch_head_dim(const Args& a, int device, cudaStream_t stream) {
+  const std::int64_t sms = multiprocessor_count(device);
+  const bool few = blocks_of(a, 64) <= 2 * sms;
+  const bool many = blocks_of(a, 128) >= 2 * sms;
+  if (const char* cfg = std::getenv("FUSEKIT_ATTN_CFG"); cfg && a.d == 64) {
+    const int v = std::atoi(cfg);
+    if constexpr (std::is_same_v<typename Mma::Element, float>) {
+      if (v == 1) return launch<Config<Mma, 64, 1, 4, 64, 1>>(a, device, stream);
+      if (v == 2) return launch<Config<Mma, 64, 1, 4, 32, 2>>(a, device, stream);
+      if (v == 3) return launch<Config<Mma, 64, 1, 4, 64, 2>>(a, device, stream);
+      if (v == 4) return launch<Config<Mma, 64, 2, 2, 32, 2>>(a, device, stream);
+      if (v == 5) return launch<Config<Mma, 64, 1, 4, 32, 1>>(a, device, stream);
     } else {
-      launch<Mma, 64, kBlockM64, 64>(a, device, stream);
+      if (v == 1) return launch<Config<Mma, 64, 1, 4, 64, 1>>(a, device, stream);
+      if (v == 2) return launch<Config<Mma, 64, 1, 4, 64, 2>>(a, device, stream);
+      if (v == 3) return launch<Config<Mma, 64, 2, 4, 64, 1>>(a, device, stream);
+      if (v == 4) return launch<Config<Mma, 64, 1, 8, 64, 1>>(a, device, stream);
+      if (v == 5) return launch<Config<Mma, 64, 2, 2, 64, 2>>(a, device, stream);
+      if (v == 6) return launch<Config<Mma, 64, 2, 4, 128, 1>>(a, device, stream);
+    }
+  }
+  constexpr bool kFloat = std::is_same_v<typename Mma::Element, float>;
+  constexpr int kMT = kFloat ? 1 : 2;  // half precision: each K/V fragment serves 32 rows
+  if (a.d <= 32) {
+    launch<Config<Mma, 32, 1, 4, 64, 1>>(a, device, stream);
+  } else if (a.d <= 64) {
+    if (few) {
+      launch<Config<Mma, 64, 1, 4, kFloat ? 32 : 64, 2>>(a, device, stream);
+    } else if (many) {
+      launch<Config<Mma, 64, kMT, 8 / kMT, 64, 1>>(a, device, stream);
+    } else {
+      launch<Config<Mma, 64, 1, 4, 64, 1>>(a, device, stream);
     }
   } else if (a.d <= 128) {
-    if (big_batch) {
-      launch<Mma, 128, kBlockM128, kFloat ? 32 : 64>(a, device, stream);
+    if (few) {
+      launch<Config<Mma, 128, 1, 4, 32, 2>>(a, device, stream);
+    } else if (many) {
+      launch<Config<Mma, 128, 1, 8, kFloat ? 32 : 64, 1>>(a, device, stream);
     } else {
-      launch<Mma, 128, kBlockM64, kFloat ? 32 : 64>(a, device, stream);
+      launch<Config<Mma, 128, 1, 4, kFloat ? 32 : 64, 1>>(a, device, stream);
     }
   } else {
-    launch<Mma, 256, kBlockM64, 32>(a, device, stream);
+    launch<Config<Mma, 256, 1, 4, 32, 1>>(a, device, stream);
   }
 }
 
@@ -557,25 +703,20 @@ void launch_causal_attention(const CausalAttentionParams& p, int device, Stream 
                    strides_divisible(p.k_stride, piece) && strides_divisible(p.v_stride, piece);
   a.vector_stores = p.d % 2 == 0 && aligned(p.out, 2 * elem) && strides_divisible(p.out_stride, 2);
 
-  // Large batches take 128-row query tiles (K and V read half as often); small ones 64-row
-  // tiles, for more blocks than multiprocessors.
-  const std::int64_t tiles128 = p.b * p.hq * ((p.t + 127) / 128);
-  const bool big_batch = tiles128 >= 2 * multiprocessor_count(device);
-
   const auto s = static_cast<cudaStream_t>(stream.handle);
   switch (p.dtype) {
     case DType::Float32:
       if (p.allow_tf32) {
-        launch_head_dim<Tf32Mma<false>, 64, 64>(a, device, s, big_batch);
+        launch_head_dim<Tf32Mma<false>>(a, device, s);
       } else {
-        launch_head_dim<Tf32Mma<true>, 64, 64>(a, device, s, big_batch);
+        launch_head_dim<Tf32Mma<true>>(a, device, s);
       }
       return;
     case DType::BFloat16:
-      launch_head_dim<HalfMma<__nv_bfloat16>, 64, 128>(a, device, s, big_batch);
+      launch_head_dim<HalfMma<__nv_bfloat16>>(a, device, s);
       return;
     case DType::Float16:
-      launch_head_dim<HalfMma<__half>, 64, 128>(a, device, s, big_batch);
+      launch_head_dim<HalfMma<__half>>(a, device, s);
       return;
     default:
       throw Error(concat(kOp, ": no CUDA kernel for dtype ", to_string(p.dtype)));
