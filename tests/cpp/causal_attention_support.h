@@ -1,6 +1,6 @@
-// What the causal_attention tests share between the CPU suite and a CUDA suite: the cases, the
-// inputs (rounded to the dtype, NaN in every padding row of q, k and v), the layouts, one checked
-// run on any device, and the tolerances.
+// What the causal_attention tests share between the CPU suite and the CUDA suite: the cases, the
+// inputs (rounded to the dtype, NaN in every padding row of q, k and v), the layouts (q, k and v
+// packed in one buffer too), one checked run on any device, and the tolerances of each backend.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/memory.h"
@@ -39,6 +40,7 @@ struct AttentionCase {
   bool single_head = false;          // the [T, D] form; b = hq = hkv = 1
   std::optional<double> scale = {};  // of the scores; default 1 / sqrt(D)
   double q_stddev = 1.0;             // larger values sharpen the softmax
+  bool allow_tf32 = false;           // CausalAttentionOptions::allow_tf32
 };
 
 /// The count of PaddingKind::All.
@@ -69,6 +71,7 @@ inline std::string attention_case_name(const AttentionCase& c) {
   if (c.scale) s += "_scale" + std::to_string(static_cast<int>(std::round(*c.scale * 1000))) + "m";
   if (c.q_stddev != 1.0) s += "_qsd" + std::to_string(static_cast<int>(std::round(c.q_stddev)));
   s += "_" + dtype_name(c.dtype);
+  if (c.allow_tf32) s += "_tf32";
   return s;
 }
 
@@ -256,10 +259,50 @@ inline AttentionTensors upload_attention(const AttentionInputs& in, const Attent
   return t;
 }
 
+/// As upload_attention, but q, k and v are rows of one buffer [B, T, Hq + 2 Hkv, D] (a fused
+/// projection's output: q's heads, then k's, then v's, for each token), `pad_inner` unused
+/// elements after every row of D and the buffer's view `offset_elements` into its allocation.
+/// Everything outside the three views is NaN. The [B, H, T, D] form only; q owns the buffer.
+inline AttentionTensors upload_packed_attention(const AttentionInputs& in, const AttentionCase& c,
+                                                Device device, std::int64_t pad_inner = 0,
+                                                std::int64_t offset_elements = 0) {
+  const std::int64_t heads = c.hq + 2 * c.hkv;
+  HostTensor packed({c.b, c.t, heads, c.d});  // [B, T, Hq + 2 Hkv, D]
+  auto place = [&](const HostTensor& x, std::int64_t h0) {
+    for (std::int64_t b = 0; b < c.b; ++b) {
+      for (std::int64_t h = 0; h < x.shape[1]; ++h) {
+        for (std::int64_t i = 0; i < c.t; ++i) {
+          for (std::int64_t e = 0; e < c.d; ++e) {
+            packed.at({b, i, h0 + h, e}) = x.at({b, h, i, e});
+          }
+        }
+      }
+    }
+  };
+  place(in.q, 0);
+  place(in.k, c.hq);
+  place(in.v, c.hq + c.hkv);
+  DeviceTensor buffer =
+      fusekit::testing::upload(packed, c.dtype, device, Layout{{}, pad_inner, offset_elements});
+  const TensorView& all = buffer.view;
+  auto heads_from = [&](std::int64_t h0, std::int64_t count) {
+    char* data = static_cast<char*>(all.data) +
+                 h0 * all.strides[2] * static_cast<std::int64_t>(fusekit::element_size(c.dtype));
+    return TensorView(data, c.dtype, {c.b, count, c.t, c.d},
+                      {all.strides[0], all.strides[2], all.strides[1], all.strides[3]}, device);
+  };
+  AttentionTensors t = upload_attention(in, c, device);
+  t.q = DeviceTensor{std::move(buffer.buffer), heads_from(0, c.hq)};
+  t.k = DeviceTensor{{}, heads_from(c.hq, c.hkv)};
+  t.v = DeviceTensor{{}, heads_from(c.hq + c.hkv, c.hkv)};
+  return t;
+}
+
 inline void run_attention(const AttentionTensors& t, const AttentionCase& c,
                           fusekit::Stream stream = {}) {
   CausalAttentionOptions options;
   options.scale = c.scale;
+  options.allow_tf32 = c.allow_tf32;
   fusekit::causal_attention(t.out.view, t.lse.view, t.q.view, t.k.view, t.v.view, t.padding(),
                             options, stream);
 }
@@ -351,6 +394,77 @@ inline void expect_attention_close(const CausalAttentionResult& got,
   expect_close(got.out, expected.out, attention_out_tolerance(c), "out");
   if (!got.lse.shape.empty()) {  // lse was asked for
     expect_close(got.lse, expected.lse, attention_lse_tolerance(c), "lse");
+  }
+  expect_padding_rows_exact(got, n_padd);
+}
+
+// ------------------------------------------------------------------------------------ CUDA
+//
+// float32 without TF32 keeps float32 accuracy: the CUDA backend is held to the CPU's bounds above
+// (within 1e-5 relative in norm, as the issue asks).
+//
+// float32 with TF32, bfloat16 and float16 multiply on tensor cores. Each operand carries one
+// rounding of relative size u_op (2^-11 for TF32 and float16, 2^-8 for bfloat16): the weights p,
+// rounded before p @ v, in every precision; with TF32 also q, k and v. Rounding p moves out by
+// at most u_op times its unit-size rows of v; rounding q and k (TF32) moves each score by about
+// u_op times the size of the scores S, which moves out by as much and lse by as much again, or by
+// up to 4 u_op |lse| where the conversion truncates (2u_op on each factor of a product, all of
+// one sign, which D = 1 does not average away). A row sum of the rounded p moves lse by at most
+// u_op. Then out is rounded once to float16 or bfloat16 (relative u_out, its dtype's unit
+// roundoff). So the unit of these errors is u_op (1 + S) with TF32 and u_op in half precision.
+//
+// In a float64 model of a FlashAttention kernel (blocks of 64 or 128 keys, a running max, p
+// rounded to the operand type, row sums of rounded or unrounded p, TF32 conversions that round or
+// truncate), over T of 2 to 400, D of 1 to 256, padding and scores of size 0.01 to 64, the
+// largest errors of thousands of runs were, in these units and beyond u_out |out| and
+// 4 u_op |lse| (TF32): out 0.87 (half precision) and 4.1 (TF32) per element, 0.9 u_op (half,
+// u_out included) and 1.6 (TF32, beyond 1e-5) in norm; lse 0.45 (half) and 1.5 (TF32). The bounds
+// below allow about twice that, the budget of twice the error of the same formula computed in
+// that precision: a wrong row, a key block left out or let in, or a softmax max that is not
+// carried across blocks misses them by orders of magnitude in some rows.
+//
+// lse is judged element by element only: a row of one key has its score as lse, near 0 as often
+// as not, so a norm relative to lse's values tells nothing where rows are few.
+
+inline bool tf32_case(const AttentionCase& c) { return c.dtype == DType::Float32 && c.allow_tf32; }
+
+/// The unit above: u_op (1 + S) with TF32, u_op for float16 and bfloat16.
+inline double attention_tensor_core_unit(const AttentionCase& c) {
+  if (tf32_case(c)) return 0x1p-11 * (1 + score_size(c));
+  return unit_roundoff(c.dtype);
+}
+
+/// out of the CUDA backend against float64.
+inline Tolerance attention_cuda_out_tolerance(const AttentionCase& c) {
+  const double f32 = 20 * score_error_unit(c), unit = attention_tensor_core_unit(c);
+  if (c.dtype == DType::Float32 && !c.allow_tf32) return {f32, 1e-6, 1e-5};
+  if (tf32_case(c)) return {f32 + 8 * unit, 1e-6, 1e-5 + 3 * unit};
+  const double u_out = unit_roundoff(c.dtype);
+  return {f32 + 2 * unit, 1e-6 + u_out, 1e-5 + 2 * unit};
+}
+
+/// lse of the CUDA backend against float64, element by element.
+inline Tolerance attention_cuda_lse_tolerance(const AttentionCase& c) {
+  constexpr double kNoNorm = std::numeric_limits<double>::infinity();
+  const double f32 = 20 * score_error_unit(c), unit = attention_tensor_core_unit(c);
+  if (c.dtype == DType::Float32 && !c.allow_tf32) return {f32, 1e-6, kNoNorm};
+  if (tf32_case(c)) return {f32 + 3 * unit, 1e-6 + 4 * 0x1p-11, kNoNorm};
+  return {f32 + unit, 1e-6, kNoNorm};
+}
+
+/// Compares the CUDA backend's out and lse with `expected` (float64, or another backend's result
+/// with its own error bound added to ours) and checks the padding rows.
+inline void expect_attention_cuda_close(const CausalAttentionResult& got,
+                                        const CausalAttentionResult& expected,
+                                        const std::vector<std::int64_t>& n_padd,
+                                        const AttentionCase& c, const Tolerance& extra_out = {},
+                                        const Tolerance& extra_lse = {}) {
+  auto plus = [](Tolerance a, const Tolerance& b) {
+    return Tolerance{a.atol + b.atol, a.rtol + b.rtol, a.rel + b.rel};
+  };
+  expect_close(got.out, expected.out, plus(attention_cuda_out_tolerance(c), extra_out), "out");
+  if (!got.lse.shape.empty()) {  // lse was asked for
+    expect_close(got.lse, expected.lse, plus(attention_cuda_lse_tolerance(c), extra_lse), "lse");
   }
   expect_padding_rows_exact(got, n_padd);
 }
