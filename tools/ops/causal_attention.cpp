@@ -273,16 +273,15 @@ Op causal_attention_op() {
   return {
       .name = kOp,
       .summary = "causal self-attention over left-padded sequences (grouped-query heads), "
-                 "forward; CPU only for now",
+                 "forward",
       .bench_shapes =
           "causal_attention, no lse (B batch, H heads, T tokens, D head dim, pad the left padding "
           "of every sequence): B1 H12 T1024 D64 pad100 bfloat16, B1 H12 T1024 D64 pad100 float32 "
           "(not on the CPU), B8 H12 T1024 D64 pad0 bfloat16 (not on the CPU). Bytes: q, k, v and "
           "out once; TFLOP/s: 2 B H T^2 D (the causal half of both products, padding included). "
-          "--quick: the first and the third. No CUDA backend yet: skipped on CUDA devices.",
+          "--quick: the first and the third.",
       .check = check,
       .bench = bench,
-      .has_cuda_backend = false,
   };
 }
 

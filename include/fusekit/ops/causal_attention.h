@@ -24,10 +24,13 @@
 // Padded rows are written as zeros (never NaN, never left unwritten), and the padding rows of q,
 // k and v are never read, so NaN or garbage there cannot leak into the result.
 //
-// Precision: float32 inputs keep float32 accuracy (float32 products, exp and sums) unless
-// `allow_tf32` is set; half-precision inputs multiply on tensor cores with float32 accumulation
-// and a float32 softmax. The CPU backend computes in float32 with a float32 online softmax
-// (`allow_tf32` changes nothing there).
+// Precision: float32 inputs keep float32 accuracy unless `allow_tf32` is set: on CUDA each
+// float32 operand is split into two TF32 parts and each product takes three TF32 tensor-core
+// products (the dropped part is ~2^-22 of it), with float32 accumulation, exp and sums;
+// `allow_tf32` takes one TF32 product instead. Half-precision inputs multiply on tensor cores
+// with float32 accumulation and a float32 softmax (the probabilities are rounded to the input
+// type for their product with v). The CPU backend computes in float32 with a float32 online
+// softmax (`allow_tf32` changes nothing there).
 // Aliasing: `out` and `lse` must not overlap any input or each other (checked).
 // Determinism: bitwise deterministic for a given device, shape and layout (on the CPU whatever
 // the number of threads).
@@ -35,7 +38,6 @@
 // (about 260 KiB per thread at D = 256).
 // Stream: the CUDA work is enqueued on `stream` and never synchronises; the call can be captured
 // in a CUDA graph. On the CPU the call returns when the result is written.
-// Status: the CUDA backend is not written yet; a call on a CUDA device throws fusekit::Error.
 #pragma once
 
 #include <cstdint>

@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 
 #include "common/cuda_check.h"
@@ -321,8 +320,8 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
 
 // A block: kGroups groups of kWarps warps; a warp owns kMT tiles of 16 query rows, a group all
 // kBlockM = kWarps * 16 * kMT rows of the block. Group r walks key tiles r, r + kGroups, ...
-// with K and V buffers of its own, and the groups merge their softmax states at the end (two
-// groups halve the walk of a block, for launches with few blocks).
+// with K and V buffers of its own, and the groups merge their softmax states at the end (more
+// groups shorten the walk of a block, for launches with few blocks).
 template <typename Mma, int kD_, int kMT_, int kWarps_, int kBlockN_, int kGroups_>
 struct Config {
   using Policy = Mma;
@@ -341,9 +340,9 @@ struct Config {
   static constexpr int kMergeFloats = kMT * (4 + kD / 2);
   // 8 warps of up to 64 columns: two blocks per SM (128 registers a thread).
   static constexpr int kMinBlocks = kThreads == 256 && kD <= 64 ? 2 : 1;
-  static_assert(kD % 16 == 0 && kBlockN % 16 == 0 && (kGroups == 1 || kGroups == 2));
-  static_assert(kGroups == 1 || sizeof(float) * kMergeFloats * kGroupThreads <=
-                                    sizeof(Bits) * 4 * kGroups * kKeys);
+  static_assert(kD % 16 == 0 && kBlockN % 16 == 0 && kGroups >= 1);
+  static_assert(kGroups == 1 ||
+                sizeof(float) * kMergeFloats * kGroupThreads <= sizeof(Bits) * 4 * kKeys);
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -493,12 +492,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
     }
   }
 
-  if constexpr (C::kGroups == 2) {
-    // Group 1 hands its state to group 0 through the (now free) key buffers.
+  if constexpr (C::kGroups > 1) {
+    // Groups 1, 2, ... hand their states to group 0 through their (now free) key buffers, and
+    // group 0 merges them in that order.
     __syncthreads();
-    float* merge = reinterpret_cast<float*>(sq + C::kQuery) + group_tid;
     constexpr int kLanes = C::kGroupThreads;
-    if (group == 1) {
+    if (group > 0) {
+      float* merge = reinterpret_cast<float*>(sk) + group_tid;
       int x = 0;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
@@ -515,26 +515,30 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
       }
     }
     __syncthreads();
-    if (group == 1) return;
-    int x = 0;
+    if (group > 0) return;
+    for (int other = 1; other < C::kGroups; ++other) {
+      const float* merge = reinterpret_cast<const float*>(sq + C::kQuery + other * 4 * C::kKeys) +
+                           group_tid;
+      int x = 0;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      float alpha[2], beta[2];
+      for (int mt = 0; mt < kMT; ++mt) {
+        float alpha[2], beta[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float m_other = merge[kLanes * x++], l_other = merge[kLanes * x++];
-        const float m_new = fmaxf(m_run[mt][r], m_other);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[r] = fast_exp2(m_run[mt][r] - m_use);
-        beta[r] = fast_exp2(m_other - m_use);
-        m_run[mt][r] = m_new;
-        l_run[mt][r] = l_run[mt][r] * alpha[r] + l_other * beta[r];
-      }
+        for (int r = 0; r < 2; ++r) {
+          const float m_other = merge[kLanes * x++], l_other = merge[kLanes * x++];
+          const float m_new = fmaxf(m_run[mt][r], m_other);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+          alpha[r] = fast_exp2(m_run[mt][r] - m_use);
+          beta[r] = fast_exp2(m_other - m_use);
+          m_run[mt][r] = m_new;
+          l_run[mt][r] = l_run[mt][r] * alpha[r] + l_other * beta[r];
+        }
 #pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
+        for (int n = 0; n < kD / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          o[mt][n][e] = o[mt][n][e] * alpha[e >> 1] + merge[kLanes * x++] * beta[e >> 1];
+          for (int e = 0; e < 4; ++e) {
+            o[mt][n][e] = o[mt][n][e] * alpha[e >> 1] + merge[kLanes * x++] * beta[e >> 1];
+          }
         }
       }
     }
@@ -608,37 +612,20 @@ std::int64_t blocks_of(const Args& a, int block_m) {
 }
 
 // The head dimension rounds up to 32, 64, 128 or 256 (the extra columns are zeros). Launches
-// with few blocks split each block's keys between two groups of warps; large ones take 128 query
-// rows a block, so K and V are read half as often.
+// with few blocks split each block's keys between groups of warps (four groups at D <= 64, two at
+// D <= 128); large ones take 128 query rows a block, so K and V are read half as often.
 template <typename Mma>
 void launch_head_dim(const Args& a, int device, cudaStream_t stream) {
   const std::int64_t sms = multiprocessor_count(device);
   const bool few = blocks_of(a, 64) <= 2 * sms;
   const bool many = blocks_of(a, 128) >= 2 * sms;
-  if (const char* cfg = std::getenv("FUSEKIT_ATTN_CFG"); cfg && a.d == 64) {
-    const int v = std::atoi(cfg);
-    if constexpr (std::is_same_v<typename Mma::Element, float>) {
-      if (v == 1) return launch<Config<Mma, 64, 1, 4, 64, 1>>(a, device, stream);
-      if (v == 2) return launch<Config<Mma, 64, 1, 4, 32, 2>>(a, device, stream);
-      if (v == 3) return launch<Config<Mma, 64, 1, 4, 64, 2>>(a, device, stream);
-      if (v == 4) return launch<Config<Mma, 64, 2, 2, 32, 2>>(a, device, stream);
-      if (v == 5) return launch<Config<Mma, 64, 1, 4, 32, 1>>(a, device, stream);
-    } else {
-      if (v == 1) return launch<Config<Mma, 64, 1, 4, 64, 1>>(a, device, stream);
-      if (v == 2) return launch<Config<Mma, 64, 1, 4, 64, 2>>(a, device, stream);
-      if (v == 3) return launch<Config<Mma, 64, 2, 4, 64, 1>>(a, device, stream);
-      if (v == 4) return launch<Config<Mma, 64, 1, 8, 64, 1>>(a, device, stream);
-      if (v == 5) return launch<Config<Mma, 64, 2, 2, 64, 2>>(a, device, stream);
-      if (v == 6) return launch<Config<Mma, 64, 2, 4, 128, 1>>(a, device, stream);
-    }
-  }
   constexpr bool kFloat = std::is_same_v<typename Mma::Element, float>;
   constexpr int kMT = kFloat ? 1 : 2;  // half precision: each K/V fragment serves 32 rows
   if (a.d <= 32) {
     launch<Config<Mma, 32, 1, 4, 64, 1>>(a, device, stream);
   } else if (a.d <= 64) {
     if (few) {
-      launch<Config<Mma, 64, 1, 4, kFloat ? 32 : 64, 2>>(a, device, stream);
+      launch<Config<Mma, 64, 1, 4, 32, 4>>(a, device, stream);
     } else if (many) {
       launch<Config<Mma, 64, kMT, 8 / kMT, 64, 1>>(a, device, stream);
     } else {
