@@ -34,9 +34,11 @@ constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
 // The exact paths (the plane passes; the training path with allow_tf32 false, or in float16 and
 // bfloat16, whose products run in float32) share the CPU suite's tolerances. The float32 training
 // path with TF32 products and the inference path (float16 operands) are held to a relative bound
-// on the whole tensor (Frobenius), and element-wise to that bound of the tensor's largest value:
-// 1e-3 for float32 (TF32 and float16 both keep 10 bits of mantissa), 2e-3 for float16 x (its own
-// rounding of out, 2^-11, comes on top), 1e-2 for bfloat16 x (rounding of out, 2^-9).
+// on the whole tensor (Frobenius): 1e-3 for float32 (TF32 and float16 both keep 10 bits of
+// mantissa), 2e-3 for float16 x (its own rounding of out, 2^-11, comes on top), 1e-2 for bfloat16
+// x (rounding of out, 2^-9). Element-wise, each element within 4 times the bound of the tensor's
+// largest value: an element that sums few products (small C or N L) does not average their
+// roundings out.
 
 double max_abs(const HostTensor& t) {
   double m = 0;
@@ -45,7 +47,7 @@ double max_abs(const HostTensor& t) {
 }
 
 Tolerance relative_to_max(const HostTensor& expected, double bound) {
-  return {bound * std::max(max_abs(expected), 1e-30), bound, bound};
+  return {4 * bound * std::max(max_abs(expected), 1e-30), bound, bound};
 }
 
 double fast_path_bound(DType dtype) {

@@ -51,8 +51,12 @@ TOLERANCES = {
     "float16": Tol(rtol=2**-9, atol=2**-9),
     "bfloat16": Tol(rtol=2**-6, atol=2**-6),
 }
-# The inference path on CUDA may run its products in half precision: bfloat16's rounding then.
-CUDA_INFERENCE_FLOAT32 = TOLERANCES["bfloat16"]
+# float32 on CUDA where products run with 10-bit mantissas: the inference path (float16 operands)
+# and the training path with TF32 (allow_tf32, the default). Their bound is 1e-3 relative on the
+# whole tensor (the C++ CUDA suite checks it so); element by element, relative to the largest
+# element, 4e-3: an element summing few products does not average their roundings out.
+CUDA_FAST_FLOAT32 = Tol(rtol=4e-3, atol=4e-3)
+CUDA_INFERENCE_FLOAT32 = CUDA_FAST_FLOAT32
 RESIDUAL_SCALE = 0.15
 WEIGHTS = ("conv_weight", "linear1_weight", "linear2_weight")
 GRADS = ("grad_x", "grad_conv_weight", "grad_linear1_weight", "grad_linear2_weight")
@@ -107,7 +111,9 @@ def check_grads(grads, grad_out, inputs, dilation, context):
     expected = reference.cheri_block_backward(to_torch64(grad_out),
                                               *(to_torch64(t) for t in inputs), dilation,
                                               RESIDUAL_SCALE)
-    tol = tol_for(inputs[0].dtype)
+    # autograd takes the training path with its default allow_tf32
+    tf32 = inputs[0].is_cuda and inputs[0].dtype == torch.float32
+    tol = CUDA_FAST_FLOAT32 if tf32 else tol_for(inputs[0].dtype)
     conv_scale = reference.conv_weight_grad_abs(grad_out, *inputs[:2], dilation, *inputs[2:],
                                                 RESIDUAL_SCALE)
     scales = (None, conv_scale.clamp_min(to_torch64(expected[1]).abs().max()), None, None)

@@ -146,6 +146,14 @@ __device__ __forceinline__ float gelu_tanh_grad(float h) {
          0.5f * h * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * h * h);
 }
 
+/// GELU(tanh) as h - h / (1 + exp(2 u)), u = sqrt(2 / pi) (h + 0.044715 h^3): the same function
+/// in a few instructions (exp2 and a fast division, both accurate to a few float32 ulps; large
+/// |u| give h and 0 exactly).
+__device__ __forceinline__ float gelu_tanh_fast(float h) {
+  const float u = kGeluScale * (h + kGeluCubic * h * h * h);
+  return h - __fdividef(h, 1.0f + __expf(2.0f * u));
+}
+
 /// conv[n, l, c0 .. c0 + V) from x and the taps w [3, C] float32 (x is zero outside 0..L-1).
 template <typename T, int V>
 __device__ __forceinline__ void conv_at(const CheriBlockParams& p, const float* w, std::int64_t n,
@@ -190,16 +198,28 @@ __device__ __forceinline__ PlaneBlock plane_block(const CheriBlockParams& p, std
 }
 
 struct Moments {
-  float count, mean, m2;
+  double count, mean, m2;
 };
 
 // Chan et al.: the moments of the union of two disjoint sets.
 __device__ __forceinline__ Moments merge(const Moments& a, const Moments& b) {
-  const float count = a.count + b.count;
-  if (count == 0.0f) return a;
-  const float delta = b.mean - a.mean;
-  const float fb = b.count / count;
+  const double count = a.count + b.count;
+  if (count == 0.0) return a;
+  const double delta = b.mean - a.mean;
+  const double fb = b.count / count;
   return {count, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.count * fb};
+}
+
+/// Calls f(l, c0) for every row l and channel group c0 of the block's part of the plane.
+template <int V, typename F>
+__device__ __forceinline__ void for_each_unit(const PlaneBlock& b, F&& f) {
+  const int t = threadIdx.x;
+  if (t >= b.tpr * b.lanes) return;
+  for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
+    for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += b.lanes) {
+      f(l, static_cast<std::int64_t>(cg) * V);
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------ kernels
@@ -214,30 +234,31 @@ __global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std
   }
 }
 
-/// Per block: (count, mean, M2) of its conv values into partial [N chunks, 3].
+/// Per block: (count, mean, M2) of its conv values into partial [N chunks, 3] (double). Each
+/// thread sums its values and their squares in double, shifted by its first value (so that the
+/// sums do not cancel); the threads' moments are then merged (Chan) in a fixed order.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     plane_stats_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
-                       std::int64_t chunks, float* partial) {
+                       std::int64_t chunks, double* partial) {
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
   const int t = threadIdx.x;
-  Moments acc{0.0f, 0.0f, 0.0f};
-  if (t < b.tpr * b.lanes) {
-    for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
-      for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += b.lanes) {
-        float v[V];
-        conv_at<T, V>(p, w, b.n, l, static_cast<std::int64_t>(cg) * V, v);
-        float sum = 0.0f;
+  double shift = 0.0, s1 = 0.0, s2 = 0.0;
+  int count = 0;
+  for_each_unit<V>(b, [&](std::int64_t l, std::int64_t c0) {
+    float v[V];
+    conv_at<T, V>(p, w, b.n, l, c0, v);
+    if (count == 0) shift = v[0];
 #pragma unroll
-        for (int k = 0; k < V; ++k) sum += v[k];
-        const float mean = sum / V;
-        float m2 = 0.0f;
-#pragma unroll
-        for (int k = 0; k < V; ++k) m2 += (v[k] - mean) * (v[k] - mean);
-        acc = merge(acc, {static_cast<float>(V), mean, m2});
-      }
+    for (int k = 0; k < V; ++k) {
+      const double e = static_cast<double>(v[k]) - shift;
+      s1 += e;
+      s2 += e * e;
     }
-  }
+    count += V;
+  });
+  Moments acc{0.0, 0.0, 0.0};
+  if (count > 0) acc = {double(count), shift + s1 / count, fmax(0.0, s2 - s1 * s1 / count)};
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
     const Moments other{__shfl_down_sync(0xffffffffu, acc.count, offset),
@@ -251,7 +272,7 @@ __global__ void __launch_bounds__(kThreads)
   if (t == 0) {
     Moments total = warps[0];
     for (int i = 1; i < kThreads / kWarpSize; ++i) total = merge(total, warps[i]);
-    float* dst = partial + 3 * static_cast<std::int64_t>(blockIdx.x);
+    double* dst = partial + 3 * static_cast<std::int64_t>(blockIdx.x);
     dst[0] = total.count;
     dst[1] = total.mean;
     dst[2] = total.m2;
@@ -260,7 +281,7 @@ __global__ void __launch_bounds__(kThreads)
 
 /// Per example: its partials merged in block order (double) -> mean and rstd, into the
 /// workspace [N] and, when given, the caller's outputs.
-__global__ void stats_finalize_kernel(const float* partial, std::int64_t n_examples,
+__global__ void stats_finalize_kernel(const double* partial, std::int64_t n_examples,
                                       std::int64_t chunks, double eps, float* mean_ws,
                                       float* rstd_ws, const CheriStat mean_out,
                                       const CheriStat rstd_out) {
@@ -268,7 +289,7 @@ __global__ void stats_finalize_kernel(const float* partial, std::int64_t n_examp
   if (n >= n_examples) return;
   double count = 0, mean = 0, m2 = 0;
   for (std::int64_t i = 0; i < chunks; ++i) {
-    const float* part = partial + 3 * (n * chunks + i);
+    const double* part = partial + 3 * (n * chunks + i);
     const double cb = part[0], mb = part[1], qb = part[2];
     const double total = count + cb;
     if (total == 0) continue;
@@ -289,54 +310,48 @@ __global__ void stats_finalize_kernel(const float* partial, std::int64_t n_examp
 template <typename T, typename O, int V>
 __global__ void __launch_bounds__(kThreads)
     conv_norm_apply_kernel(const CheriBlockParams p, const float* w, const CheriStat mean,
-                           const CheriStat rstd, const CheriActivation y) {
-  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
-  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = u / groups, c0 = (u % groups) * V;
-    const std::int64_t n = row / p.l, l = row % p.l;
+                           const CheriStat rstd, const CheriActivation y, std::int64_t rows,
+                           std::int64_t chunks) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const float m = mean.data[b.n * mean.stride], r = rstd.data[b.n * rstd.stride];
+  for_each_unit<V>(b, [&](std::int64_t l, std::int64_t c0) {
     float v[V];
-    conv_at<T, V>(p, w, n, l, c0, v);
-    const float m = mean.data[n * mean.stride], r = rstd.data[n * rstd.stride];
+    conv_at<T, V>(p, w, b.n, l, c0, v);
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] = (v[k] - m) * r;
-    store_vec<O, V>(out_row_of<O>(y, n, l) + c0, v);
-  }
+    store_vec<O, V>(out_row_of<O>(y, b.n, l) + c0, v);
+  });
 }
 
 /// dst (dense float32 [N L, C]) = scale * src.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     scale_to_dense_kernel(const CheriBlockParams p, const CheriActivation src, float scale,
-                          float* dst) {
-  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
-  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = u / groups, c0 = (u % groups) * V;
+                          float* dst, std::int64_t rows, std::int64_t chunks) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  for_each_unit<V>(b, [&](std::int64_t l, std::int64_t c0) {
     float v[V];
-    load_vec<T, V>(row_of<T>(src, row / p.l, row % p.l) + c0, v);
+    load_vec<T, V>(row_of<T>(src, b.n, l) + c0, v);
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] *= scale;
-    store_vec<float, V>(dst + row * p.c + c0, v);
-  }
+    store_vec<float, V>(dst + (b.n * p.l + l) * p.c + c0, v);
+  });
 }
 
 /// out = x + residual_scale * mlp, mlp dense float32 [N L, C].
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    residual_kernel(const CheriBlockParams p, const float* mlp) {
-  const std::int64_t groups = p.c / V, units = p.n * p.l * groups;
-  for (std::int64_t u = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       u < units; u += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = u / groups, c0 = (u % groups) * V;
-    const std::int64_t n = row / p.l, l = row % p.l;
+    residual_kernel(const CheriBlockParams p, const float* mlp, std::int64_t rows,
+                    std::int64_t chunks) {
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  for_each_unit<V>(b, [&](std::int64_t l, std::int64_t c0) {
     float x[V], m[V];
-    load_vec<T, V>(row_of<T>(p.x, n, l) + c0, x);
-    load_vec<float, V>(mlp + row * p.c + c0, m);
+    load_vec<T, V>(row_of<T>(p.x, b.n, l) + c0, x);
+    load_vec<float, V>(mlp + (b.n * p.l + l) * p.c + c0, m);
 #pragma unroll
     for (int k = 0; k < V; ++k) x[k] += p.residual_scale * m[k];
-    store_vec<T, V>(out_row_of<T>(p.out, n, l) + c0, x);
-  }
+    store_vec<T, V>(out_row_of<T>(p.out, b.n, l) + c0, x);
+  });
 }
 
 /// h -> GELU(h) in place (dense float32).
@@ -544,12 +559,13 @@ constexpr int kPad = 8;           // halves after each shared row: ldmatrix rows
 template <typename T, int kC>
 std::size_t fused_smem_bytes(std::int64_t hidden) {
   const auto h = static_cast<std::size_t>(hidden);
-  return 2 * kTileRows * kC * sizeof(T)                 // x tiles, double-buffered
-         + h * (kC + kPad) * sizeof(__half)             // linear1 [E C, C]
-         + kC * (h + kPad) * sizeof(__half)             // linear2 [C, E C]
-         + kTileRows * (kC + kPad) * sizeof(__half)     // A tile
+  return 2 * kTileRows * kC * sizeof(T)                        // x tiles, double-buffered
+         + h * (kC + kPad) * sizeof(__half)                    // linear1 [E C, C]
+         + kC * (h + kPad) * sizeof(__half)                    // linear2 [C, E C]
+         + kTileRows * (kC + kPad) * sizeof(__half)            // A tile
          + kTileRows * (kHiddenChunk + kPad) * sizeof(__half)  // GELU(h) chunk
-         + 3 * kC * sizeof(float);                      // taps
+         + 3 * kC * sizeof(float)                              // taps
+         + 2 * 2 * kTileRows * sizeof(int);                    // (n, l) of the rows, 2 tiles
 }
 
 template <typename T>
@@ -568,7 +584,9 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
 }
 
 // 8 warps: 2 along the tile's rows (32 each) by 4 along the columns (GEMM1: 16 of a hidden
-// chunk; GEMM2: C / 4 output channels).
+// chunk; GEMM2: C / 4 output channels). Per tile: the x rows arrive by cp.async (issued during
+// the previous tile's products); A from them and the taps (all loads issued before any use);
+// the next tile's x is requested; the products; the epilogue.
 template <typename T, int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_inference_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
@@ -576,7 +594,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kV = kVec16<T>;
   constexpr int kLdA = kC + kPad;
   constexpr int kLdG = kHiddenChunk + kPad;
-  constexpr int kNT2 = kC / 32;  // n8 tiles per warp in GEMM2
+  constexpr int kNT2 = kC / 32;                              // n8 tiles per warp in GEMM2
+  constexpr int kGroups = kC / kV;                           // 16-byte pieces per row
+  constexpr int kUnits = kTileRows * kGroups / kThreads;     // pieces of A per thread
+  static_assert(kTileRows * kGroups % kThreads == 0, "whole pieces per thread");
   const int hidden = static_cast<int>(p.hidden);
   const int ld_w2 = hidden + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -586,11 +607,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   __half* as = w2s + static_cast<std::size_t>(kC) * ld_w2;                // [64][C + 8]
   __half* gs = as + kTileRows * kLdA;                                     // [64][64 + 8]
   float* cw = reinterpret_cast<float*>(gs + kTileRows * kLdG);            // [3][C]
+  int* row_nl = reinterpret_cast<int*>(cw + 3 * kC);                      // [2][64][2]: n, l
 
   const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
   const int wm = warp / 4, wn = warp % 4;
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kTileRows);
+  const std::int64_t d = p.dilation;
 
+#pragma unroll 8
   for (int i = t; i < hidden * kC / 4; i += kThreads) {
     const int e = 4 * i, r = e / kC, c = e % kC;
     const float4 v = __ldg(reinterpret_cast<const float4*>(w1) + i);
@@ -598,6 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     dst[0] = __floats2half2_rn(v.x, v.y);
     dst[1] = __floats2half2_rn(v.z, v.w);
   }
+#pragma unroll 8
   for (int i = t; i < hidden * kC / 4; i += kThreads) {
     const int e = 4 * i, r = e / hidden, c = e % hidden;
     const float4 v = __ldg(reinterpret_cast<const float4*>(w2) + i);
@@ -607,61 +632,84 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   for (int i = t; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
 
-  auto issue_x = [&](std::int64_t tile, int buf) {
-    constexpr int kPieces = kC * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces per row
+  // (n, l) of the tile's rows into table `buf` (n = -1 past the end): one division per row.
+  auto locate = [&](std::int64_t tile, int buf) {
+    if (t < kTileRows) {
+      const std::int64_t row = tile * kTileRows + t;
+      int* nl = row_nl + (buf * kTileRows + t) * 2;
+      nl[0] = row < rows ? static_cast<int>(row / p.l) : -1;
+      nl[1] = row < rows ? static_cast<int>(row % p.l) : 0;
+    }
+  };
+  auto issue_x = [&](int buf) {
     T* dst = xs + buf * kTileRows * kC;
-    for (int i = t; i < kTileRows * kPieces; i += kThreads) {
-      const int r = i / kPieces, piece = i % kPieces;
-      const std::int64_t row = tile * kTileRows + r;
-      if (row < rows) {
-        cp_async_16(dst + r * kC + piece * kV, row_of<T>(p.x, row / p.l, row % p.l) + piece * kV);
+    const int* nl = row_nl + buf * kTileRows * 2;
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      const int i = t + u * kThreads, r = i / kGroups, piece = i % kGroups;
+      if (nl[2 * r] >= 0) {
+        cp_async_16(dst + r * kC + piece * kV, row_of<T>(p.x, nl[2 * r], nl[2 * r + 1]) + piece * kV);
       }
     }
     cp_async_commit();
   };
 
   int buf = 0;
-  if (blockIdx.x < tiles) issue_x(blockIdx.x, 0);
+  if (blockIdx.x < tiles) {
+    locate(blockIdx.x, 0);
+    __syncthreads();
+    issue_x(0);
+  }
   for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
     cp_async_wait<0>();
     __syncthreads();  // x of this tile landed; the previous tile's epilogue is done
-    if (tile + gridDim.x < tiles) issue_x(tile + gridDim.x, buf ^ 1);
+    const bool has_next = tile + gridDim.x < tiles;
+    if (has_next) locate(tile + gridDim.x, buf ^ 1);
     const T* xt = xs + buf * kTileRows * kC;  // [64][C]
+    const int* nl = row_nl + buf * kTileRows * 2;
 
-    // A [64, C] float16 = (conv - mean) * rstd; rows past the end are zero.
-    constexpr int kGroups = kC / kV;
-#pragma unroll 4
-    for (int i = t; i < kTileRows * kGroups; i += kThreads) {
-      const int r = i / kGroups, c0 = (i % kGroups) * kV;
-      const std::int64_t row = tile * kTileRows + r;
-      float a[kV];
+    // A [64, C] float16 = (conv - mean) * rstd; rows past the end are zero. Every load of the
+    // thread's pieces is issued before the first is used.
+    {
+      float mid[kUnits][kV], left[kUnits][kV], right[kUnits][kV];
 #pragma unroll
-      for (int k = 0; k < kV; ++k) a[k] = 0.0f;
-      if (row < rows) {
-        const std::int64_t n = row / p.l, l = row % p.l;
-        float mid[kV], tap[kV];
-        load_shared_floats<T, kV>(xt + r * kC + c0, mid);
-#pragma unroll
-        for (int k = 0; k < kV; ++k) a[k] = cw[kC + c0 + k] * mid[k];
-        if (l >= p.dilation) {
-          load_vec<T, kV>(row_of<T>(p.x, n, l - p.dilation) + c0, tap);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) a[k] += cw[c0 + k] * tap[k];
+      for (int u = 0; u < kUnits; ++u) {
+        const int i = t + u * kThreads, r = i / kGroups, c0 = (i % kGroups) * kV;
+        const int n = nl[2 * r];
+        const std::int64_t l = nl[2 * r + 1];
+        load_shared_floats<T, kV>(xt + r * kC + c0, mid[u]);
+        if (n >= 0) {
+          // a tap outside the sequence reads the row itself, then counts as zero
+          load_vec<T, kV>(row_of<T>(p.x, n, l >= d ? l - d : l) + c0, left[u]);
+          load_vec<T, kV>(row_of<T>(p.x, n, l + d < p.l ? l + d : l) + c0, right[u]);
         }
-        if (l + p.dilation < p.l) {
-          load_vec<T, kV>(row_of<T>(p.x, n, l + p.dilation) + c0, tap);
-#pragma unroll
-          for (int k = 0; k < kV; ++k) a[k] += cw[2 * kC + c0 + k] * tap[k];
-        }
-        const float m = mean[n], rs = rstd[n];
-#pragma unroll
-        for (int k = 0; k < kV; ++k) a[k] = (a[k] - m) * rs;
       }
-      __half2* dst = reinterpret_cast<__half2*>(as + r * kLdA + c0);
 #pragma unroll
-      for (int k = 0; k < kV / 2; ++k) dst[k] = __floats2half2_rn(a[2 * k], a[2 * k + 1]);
+      for (int u = 0; u < kUnits; ++u) {
+        const int i = t + u * kThreads, r = i / kGroups, c0 = (i % kGroups) * kV;
+        const int n = nl[2 * r];
+        const std::int64_t l = nl[2 * r + 1];
+        float a[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) a[k] = 0.0f;
+        if (n >= 0) {
+          const bool has_left = l >= d, has_right = l + d < p.l;
+          const float m = mean[n], rs = rstd[n];
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            float v = cw[kC + c0 + k] * mid[u][k];
+            if (has_left) v += cw[c0 + k] * left[u][k];
+            if (has_right) v += cw[2 * kC + c0 + k] * right[u][k];
+            a[k] = (v - m) * rs;
+          }
+        }
+        __half2* dst = reinterpret_cast<__half2*>(as + r * kLdA + c0);
+#pragma unroll
+        for (int k = 0; k < kV / 2; ++k) dst[k] = __floats2half2_rn(a[2 * k], a[2 * k + 1]);
+      }
     }
     __syncthreads();
+    if (has_next) issue_x(buf ^ 1);
 
     float acc2[2][kNT2][4] = {};  // [m16 tile][n8 tile][fragment]: out rows 32 wm.., cols C/4 wn..
     for (int hc = 0; hc < hidden; hc += kHiddenChunk) {
@@ -689,8 +737,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int h2 = 0; h2 < 2; ++h2) {
             const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
             const int c = 16 * wn + 8 * ni + 2 * (lane % 4);
-            *reinterpret_cast<__half2*>(gs + r * kLdG + c) = __floats2half2_rn(
-                gelu_tanh(acc1[mi][ni][2 * h2]), gelu_tanh(acc1[mi][ni][2 * h2 + 1]));
+            *reinterpret_cast<__half2*>(gs + r * kLdG + c) =
+                __floats2half2_rn(gelu_tanh_fast(acc1[mi][ni][2 * h2]),
+                                  gelu_tanh_fast(acc1[mi][ni][2 * h2 + 1]));
           }
         }
       }
@@ -722,9 +771,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
-        const std::int64_t row = tile * kTileRows + r;
-        if (row >= rows) continue;
-        T* dst = out_row_of<T>(p.out, row / p.l, row % p.l);
+        const int n = nl[2 * r];
+        if (n < 0) continue;
+        T* dst = out_row_of<T>(p.out, n, nl[2 * r + 1]);
 #pragma unroll
         for (int ni = 0; ni < kNT2; ++ni) {
           const int c = (kC / 4) * wn + 8 * ni + 2 * (lane % 4);
@@ -753,6 +802,10 @@ class Carve {
  private:
   std::size_t total_ = 0;
 };
+
+std::size_t doubles(std::int64_t count) {
+  return static_cast<std::size_t>(count) * sizeof(double);
+}
 
 template <typename U>
 U* at(const StreamWorkspace& ws, std::size_t offset) {
@@ -810,7 +863,7 @@ void with_vec(bool vector, F&& f) {
 
 /// The statistics of every example into mean_ws and rstd_ws [N] (and p.mean, p.rstd if set).
 template <typename T>
-void plane_statistics(const CheriBlockParams& p, const float* conv_w, float* partial,
+void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* partial,
                       float* mean_ws, float* rstd_ws, cudaStream_t stream) {
   const PlaneGrid g = plane_grid(p);
   const auto blocks = static_cast<unsigned>(p.n * g.chunks);
@@ -831,11 +884,11 @@ void conv_norm_apply(const CheriBlockParams& p, const float* conv_w, const Cheri
                      cudaStream_t stream) {
   const bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(y, p, sizeof(O)) &&
                       rows_aligned(y, p, sizeof(T));
+  const PlaneGrid g = plane_grid(p);
   with_vec<T>(vector, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    conv_norm_apply_kernel<T, O, V>
-        <<<grid_for(p.n * p.l * (p.c / V), device), kThreads, 0, stream>>>(p, conv_w, mean, rstd,
-                                                                          y);
+    conv_norm_apply_kernel<T, O, V><<<static_cast<unsigned>(p.n * g.chunks), kThreads, 0, stream>>>(
+        p, conv_w, mean, rstd, y, g.rows, g.chunks);
     FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_apply_kernel");
   });
 }
@@ -1000,7 +1053,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(floats(3 * p.n * g.chunks)),
+                    o_part = carve.take(doubles(3 * p.n * g.chunks)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n)),
                     o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h)),
                     o_o = carve.take(floats(rows * c));
@@ -1016,7 +1069,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   pack(p.conv_weight, 3, c, conv_w, device, stream);
   pack(p.linear1, h, c, w1, device, stream);
   pack(p.linear2, c, h, w2, device, stream);
-  plane_statistics<T>(p, conv_w, at<float>(ws, o_part), mean, rstd, stream);
+  plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, stream);
   conv_norm_apply<T, float>(p, conv_w, {mean, 1}, {rstd, 1}, dense(y, p), device, stream);
   gemm(rows, h, c, {y, c, false}, {w1, c, true}, hid, h, 0, 1, tf32, device, stream);
   gelu_kernel<<<grid_for(rows * h, device), kThreads, 0, stream>>>(hid, rows * h);
@@ -1025,7 +1078,8 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   const bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
   with_vec<T>(vector, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    residual_kernel<T, V><<<grid_for(rows * (c / V), device), kThreads, 0, stream>>>(p, mlp);
+    residual_kernel<T, V><<<static_cast<unsigned>(p.n * g.chunks), kThreads, 0, stream>>>(
+        p, mlp, g.rows, g.chunks);
     FUSEKIT_CUDA_CHECK_LAUNCH("residual_kernel");
   });
 }
@@ -1062,8 +1116,9 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
     const bool vector = rows_aligned(p.grad_out, p, sizeof(T));
     with_vec<T>(vector, [&](auto v) {
       constexpr int V = decltype(v)::value;
-      scale_to_dense_kernel<T, V><<<grid_for(rows * (c / V), device), kThreads, 0, stream>>>(
-          p, p.grad_out, p.residual_scale, dz);
+      const PlaneGrid g = plane_grid(p);
+      scale_to_dense_kernel<T, V><<<static_cast<unsigned>(p.n * g.chunks), kThreads, 0, stream>>>(
+          p, p.grad_out, p.residual_scale, dz, g.rows, g.chunks);
       FUSEKIT_CUDA_CHECK_LAUNCH("scale_to_dense_kernel");
     });
     gemm(rows, h, c, {y, c, false}, {w1, c, true}, hid, h, 0, 1, tf32, device, stream);   // h
@@ -1086,7 +1141,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(floats(3 * p.n * g.chunks)),
+                    o_part = carve.take(doubles(3 * p.n * g.chunks)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
   const StreamWorkspace ws(carve.total(), stream);
   float* conv_w = at<float>(ws, o_conv);
@@ -1100,7 +1155,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   CheriBlockParams q = p;
   q.mean = {};
   q.rstd = {};
-  plane_statistics<T>(q, conv_w, at<float>(ws, o_part), mean, rstd, stream);
+  plane_statistics<T>(q, conv_w, at<double>(ws, o_part), mean, rstd, stream);
   const std::size_t smem = fused_smem_bytes<T, kC>(h);
   const auto kernel = cheri_inference_kernel<T, kC>;
   FUSEKIT_CUDA_CHECK(
@@ -1132,14 +1187,14 @@ void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stre
     const PlaneGrid g = plane_grid(p);
     Carve carve;
     const std::size_t o_conv = carve.take(floats(3 * p.c)),
-                      o_part = carve.take(floats(3 * p.n * g.chunks)),
+                      o_part = carve.take(doubles(3 * p.n * g.chunks)),
                       o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
     const StreamWorkspace ws(carve.total(), s);
     float* conv_w = at<float>(ws, o_conv);
     float* mean = at<float>(ws, o_mean);
     float* rstd = at<float>(ws, o_rstd);
     pack(p.conv_weight, 3, p.c, conv_w, device, s);
-    plane_statistics<T>(p, conv_w, at<float>(ws, o_part), mean, rstd, s);
+    plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, s);
     conv_norm_apply<T, T>(p, conv_w, {mean, 1}, {rstd, 1}, p.out, device, s);
   });
 }
