@@ -3,7 +3,8 @@
 
 Cases: T in {1, 17, 1000} (and 4096 on CUDA) with n_padd = 0, T/3, T - 1 and T, normal and peaked
 scores; float32 within 1e-5, float16 and bfloat16 within twice the error of PyTorch's own SDPA in
-that dtype; per-sequence padding that differs across the batch (int32 tensors, on the CPU and the
+that dtype, float32 with allow_tf32 on CUDA within twice the error of the formula with TF32
+operands (on the CPU, which has no TF32, bitwise the float32 result); per-sequence padding that differs across the batch (int32 tensors, on the CPU and the
 inputs' device); grouped-query heads; the single-head form [T, D]; the scale; views over memory
 poisoned with NaN (misaligned, padded rows, [B, T, H, D] storage, packed q/k/v, broadcast k/v),
 NaN in padding queries, keys and values, NaN-poisoned outputs and exact zeros in padding rows;
@@ -182,6 +183,37 @@ def poison_padding(t, n_padd):
     return t
 
 
+def tf32(t):
+    """float32 values rounded to TF32 as tensor cores take them (10 mantissa bits, to nearest,
+    ties away from zero: cvt.rna)."""
+    bits = t.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+
+
+def attention_tf32(q, k, v, n_padd):
+    """(out, lse) of the formula with TF32 operands, in float64 otherwise: q and k rounded to TF32
+    for the scores, the weights p and v rounded to TF32 for p @ v, the row sums of unrounded p.
+    The yardstick of allow_tf32: PyTorch's own float32 matmuls under allow_tf32 leave the choice
+    of tensor cores to cuBLAS's heuristics, which may compute small products in full float32."""
+    t = q.shape[-2]
+    q, k, v = (tf32(x).double() for x in (q, k, v))
+    squeeze = q.dim() == 2
+    if squeeze:
+        q, k, v = q[None, None], k[None, None], v[None, None]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    keep = reference.causal_attention_mask(t, n_padd, q.device)  # [B or 1, 1, T, T]
+    valid = keep.any(-1, keepdim=True)  # [B or 1, 1, T, 1]
+    q, k, v = (x.masked_fill(~valid, 0) for x in (q, k, v))
+    scores = (q @ k.mT * q.shape[-1] ** -0.5).masked_fill(~keep, -torch.inf)
+    m = torch.where(valid, scores.amax(-1, keepdim=True), 0)
+    p = torch.exp(scores - m)  # [B, H, T, T], 0 off the mask
+    total = torch.where(valid, p.sum(-1, keepdim=True), 1)
+    out = torch.where(valid, (tf32(p).double() @ v) / total, 0)
+    lse = torch.where(valid, m + torch.log(total), -torch.inf)[..., 0]
+    return (out[0, 0], lse[0, 0]) if squeeze else (out, lse)
+
+
 # ------------------------------------------------------------------------------ forward
 
 
@@ -256,11 +288,42 @@ def test_forward_grouped_query_heads(rng, device, hkv, dtype):
     check(out, q, k, v, 5, describe_case(rng, device=device, Hkv=hkv))
 
 
-@pytest.mark.parametrize("d", [1, 8, 40, 64, 128, 256])
+@pytest.mark.parametrize("d", [1, 3, 8, 40, 64, 80, 128, 200, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", DEVICES)
-def test_forward_head_dims(rng, device, d):
-    q, k, v = make_qkv(rng, 1, 2, 33, d, device=device)
-    check(fusekit.causal_attention(q, k, v, 3), q, k, v, 3, describe_case(rng, device=device, D=d))
+def test_forward_head_dims(rng, device, dtype, d):
+    q, k, v = make_qkv(rng, 1, 2, 70, d, dtype=dtype, device=device)
+    check(fusekit.causal_attention(q, k, v, 3), q, k, v, 3,
+          describe_case(rng, device=device, D=d))
+
+
+@pytest.mark.parametrize("dist", list(Q_SCALE))
+@pytest.mark.parametrize("t", [17, 1000])
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_tf32(rng, device, t, dist):
+    """allow_tf32: on CUDA out and lse within twice the error of the formula with TF32 operands
+    (attention_tf32) on the same inputs; on the CPU, which has no TF32, bitwise the float32
+    result."""
+    q, k, v = make_qkv(rng, 2, 4, t, 64, hkv=2, device=device, dist=dist)
+    n_padd = torch.tensor([0, t // 3], dtype=torch.int32, device=device)
+    out, lse = fusekit.causal_attention(q, k, v, n_padd, return_lse=True, allow_tf32=True)
+    context = describe_case(rng, device=device, T=t, dist=dist)
+    if device == "cpu":
+        exact, exact_lse = fusekit.causal_attention(q, k, v, n_padd, return_lse=True)
+        assert_bitwise_equal(out, exact, name="out", context=context)
+        assert_bitwise_equal(lse, exact_lse, name="lse", context=context)
+        return
+    pad = n_padd.cpu()
+    q64, k64, v64 = as64(q), as64(k), as64(v)
+    model_out, model_lse = attention_tf32(q, k, v, pad)
+    check_error_budget(out, reference.causal_attention(q64, k64, v64, pad), model_out, context)
+    rows = padding_rows(pad, tuple(out.shape))
+    assert bool((to_torch64(out)[rows] == 0).all()), f"out: padding rows not 0 [{context}]"
+    lse64 = to_torch64(lse)
+    assert bool((lse64[rows] == -math.inf).all()), f"lse: padding rows not -inf [{context}]"
+    expected_lse = to_torch64(reference.causal_attention_lse(q64, k64, pad))
+    check_error_budget(lse64[~rows], expected_lse[~rows], to_torch64(model_lse)[~rows], context,
+                       name="lse")
 
 
 @pytest.mark.parametrize("pad", list(PADS))
