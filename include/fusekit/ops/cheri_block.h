@@ -24,6 +24,12 @@
 // double statistics.
 // Determinism: every output and gradient is bitwise the same on every run, the first included:
 // the reductions over N and L (the weight gradients, the statistics) run in a fixed order.
+// Temporary memory (CUDA, stream-ordered): dilated_conv_norm and the inference forward a few
+// bytes per example and the packed weights; the training forward about (2 C + E C) N L float32
+// values, its backward about (3 C + 2 E C) N L float32 values plus one [E C, C] float32 partial per
+// 4096 rows for each linear weight gradient. The inference forward on CUDA runs its products on
+// float16 operands with float32 accumulation where C is 64 or 128 (E C a multiple of 64, rows of
+// x and out 16-byte aligned); other shapes take the training forward's products.
 // Aliasing: no output may overlap an input or another output (checked).
 // Stream: CUDA work is enqueued on `stream` without synchronising; calls can be captured in CUDA
 // graphs. On the CPU a call returns when its results are written.
