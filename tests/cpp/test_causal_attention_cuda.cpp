@@ -1,11 +1,12 @@
 // causal_attention on the CUDA backend: against the float64 reference in float32, float32 with
 // TF32, bfloat16 and float16, with grouped-query heads and the single-head form, left padding of
 // 0, 1, T - 1 and T for the whole batch and per sequence (counts outside [0, T] clamped), T of 1
-// to 1000 and D of 1 to 256, every layout (q, k and v packed in one buffer too), sharp and flat
-// softmaxes and scores that rise across every block of keys; at T = 4096 against the CPU backend
-// on the same inputs. NaN fills every padding row of q, k and v; out and lse start as NaN and are
-// checked for writes outside their views. Also empty inputs, lse left out, bitwise determinism,
-// streams and CUDA-graph capture. Every test skips with "no CUDA device" where there is none.
+// to 1000 and D of 1 to 256 over few and many blocks, every layout (q, k and v packed in one
+// buffer too), sharp and flat softmaxes and scores that rise across every block of keys; at
+// T = 4096 against the CPU backend on the same inputs. NaN fills every padding row of q, k and v;
+// out and lse start as NaN and are checked for writes outside their views. Also empty inputs, lse
+// left out, bitwise determinism, streams and CUDA-graph capture. Every test skips with "no CUDA
+// device" where there is none.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -176,10 +177,36 @@ INSTANTIATE_TEST_SUITE_P(All, AttentionCuda,
                                with_precision(std::get<1>(info.param), std::get<0>(info.param)));
                          });
 
-// T = 4096 with few heads, against the CPU backend: no padding, per-sequence counts drawn on every
-// run, and all but the last token padded.
+// Hundreds of (sequence, head) pairs: launches of many blocks and of a middling count (at the 132
+// multiprocessors of an H100 or H200), besides the few blocks of the cases above, which a launch
+// may spread differently (say, splitting each block's keys between groups of warps).
+const AttentionCase kManyBlockCases[] = {
+    {3, 100, 20, 129, 64, kPerSeq, {}},
+    {2, 50, 10, 200, 64, kPerSeq, {0, 199}},
+    {3, 100, 25, 129, 128, kPerSeq, {}},
+    {2, 50, 5, 200, 128, kAll, {1}},
+};
+
+class AttentionCudaManyBlocks
+    : public CudaTest<::testing::TestWithParam<std::tuple<Precision, AttentionCase>>> {};
+
+TEST_P(AttentionCudaManyBlocks, MatchesFloat64) {
+  const auto [precision, c] = GetParam();
+  check_cuda(with_precision(c, precision), rng_);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AttentionCudaManyBlocks,
+                         ::testing::Combine(::testing::ValuesIn(kPrecisions),
+                                            ::testing::ValuesIn(kManyBlockCases)),
+                         [](const auto& info) {
+                           return attention_case_name(
+                               with_precision(std::get<1>(info.param), std::get<0>(info.param)));
+                         });
+
+// T = 4096 with few heads, against the CPU backend: no padding (over a middling count of blocks),
+// per-sequence counts drawn on every run, and all but the last token padded.
 const AttentionCase kLongCases[] = {
-    {1, 2, 1, 4096, 64, kAll, {0}},
+    {1, 6, 2, 4096, 64, kAll, {0}},
     {2, 1, 1, 4096, 128, kPerSeq, {}},
     {1, 1, 1, 4096, 256, kAll, {4095}},
 };
