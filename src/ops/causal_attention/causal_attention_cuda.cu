@@ -322,27 +322,31 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
 // kBlockM = kWarps * 16 * kMT rows of the block. Group r walks key tiles r, r + kGroups, ...
 // with K and V buffers of its own, and the groups merge their softmax states at the end (more
 // groups shorten the walk of a block, for launches with few blocks).
-template <typename Mma, int kD_, int kMT_, int kWarps_, int kBlockN_, int kGroups_>
+template <typename Mma, int kD_, int kMT_, int kWarps_, int kBlockN_, int kGroups_,
+          int kStages_ = 2>
 struct Config {
   using Policy = Mma;
   static constexpr int kD = kD_, kMT = kMT_, kWarps = kWarps_, kBlockN = kBlockN_;
   static constexpr int kGroups = kGroups_;
+  static constexpr int kStages = kStages_;  // K and V tiles in flight per group
   static constexpr int kBlockM = kWarps * 16 * kMT;
   static constexpr int kGroupThreads = kWarps * 32;
   static constexpr int kThreads = kGroupThreads * kGroups;
   static constexpr int kStride = kD + Mma::kPad;  // elements per shared-memory row
   static constexpr int kQuery = kBlockM * kStride;
   static constexpr int kKeys = kBlockN * kStride;  // one K or V buffer
+  static constexpr int kGroupKeys = 2 * kStages * kKeys;  // a group's K and V buffers
   using Bits = typename Mma::Bits;
   static constexpr std::size_t kSharedBytes =
-      sizeof(Bits) * static_cast<std::size_t>(kQuery + 4 * kGroups * kKeys);
+      sizeof(Bits) * static_cast<std::size_t>(kQuery + kGroups * kGroupKeys);
   // What a group hands the other at the end: per lane m, l (2 rows each) and o.
   static constexpr int kMergeFloats = kMT * (4 + kD / 2);
   // 8 warps of up to 64 columns: two blocks per SM (128 registers a thread).
   static constexpr int kMinBlocks = kThreads == 256 && kD <= 64 ? 2 : 1;
   static_assert(kD % 16 == 0 && kBlockN % 16 == 0 && kGroups >= 1);
   static_assert(kGroups == 1 ||
-                sizeof(float) * kMergeFloats * kGroupThreads <= sizeof(Bits) * 4 * kKeys);
+                sizeof(float) * kMergeFloats * kGroupThreads <= sizeof(Bits) * kGroupKeys);
+  static_assert(kStages >= 2);
 };
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -368,8 +372,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = warp / C::kWarps, group_warp = warp % C::kWarps;
   const int group_tid = threadIdx.x % C::kGroupThreads;
-  Bits* sk = sq + C::kQuery + group * 4 * C::kKeys;  // this group's [2][kBlockN][kStride]
-  Bits* sv = sk + 2 * C::kKeys;                       // and [2][kBlockN][kStride]
+  // This group's ring of kStages (K, V) slots, each [kBlockN][kStride].
+  Bits* sk = sq + C::kQuery + group * C::kGroupKeys;
 
   // Longest first: the block index runs over (query tile from the last, sequence and head).
   const int tile = a.query_tiles - 1 - static_cast<int>(blockIdx.x / a.heads);
@@ -399,35 +403,44 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
   }
 
   if (key_tiles > 0) {
-    auto load_keys = [&](int i, int stage) {  // the group's i-th tile
+    auto load_keys = [&](int i) {  // the group's i-th tile, into slot i % kStages
       const int j0 = pad + (group + i * C::kGroups) * kBlockN;
+      Bits* slot = sk + (i % C::kStages) * 2 * C::kKeys;
       load_rows<Bits, kBlockN, kD, kStride, C::kGroupThreads>(
-          sk + stage * C::kKeys, k, a.k_stride[2], j0, j0, key_end, a.d, a.vector_loads,
-          group_tid);
+          slot, k, a.k_stride[2], j0, j0, key_end, a.d, a.vector_loads, group_tid);
       load_rows<Bits, kBlockN, kD, kStride, C::kGroupThreads>(
-          sv + stage * C::kKeys, v, a.v_stride[2], j0, j0, key_end, a.d, a.vector_loads,
-          group_tid);
+          slot + C::kKeys, v, a.v_stride[2], j0, j0, key_end, a.d, a.vector_loads, group_tid);
     };
     load_rows<Bits, kBlockM, kD, kStride, C::kThreads>(sq, q, a.q_stride[2], m0, pad, a.t, a.d,
                                                        a.vector_loads, threadIdx.x);
-    if (my_tiles > 0) load_keys(0, 0);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
+    // Tiles 0 .. kStages - 2 in flight, one commit group each (empty past the last tile), Q
+    // with the first.
+    for (int i = 0; i < C::kStages - 1; ++i) {
+      if (i < my_tiles) load_keys(i);
+      cp_async_commit();
+    }
+    cp_async_wait<C::kStages - 2>();
+    __syncthreads();  // Q, loaded by every group
 
     typename Mma::template QueryFragments<kMT, kD> qf;
     const Bits* warp_q = sq + group_warp * 16 * kMT * kStride;
     Mma::template load_queries<kMT, kD, kStride>(qf, warp_q, lane);
 
     for (int i = 0; i < my_tiles; ++i) {
-      const int stage = i & 1;
-      if (i + 1 < my_tiles) {
-        load_keys(i + 1, stage ^ 1);
-        cp_async_commit();
+      // Tile i has landed and every warp of the group is done with tile i - 1, whose slot
+      // takes tile i + kStages - 1.
+      cp_async_wait<C::kStages - 2>();
+      if constexpr (C::kGroups == 1) {
+        __syncthreads();
+      } else {
+        group_barrier(1 + group, C::kGroupThreads);
       }
+      if (i + C::kStages - 1 < my_tiles) load_keys(i + C::kStages - 1);
+      cp_async_commit();
+      const Bits* slot = sk + (i % C::kStages) * 2 * C::kKeys;
 
       float s[kMT][kBlockN / 8][4] = {};
-      Mma::template scores<kMT, kD, kBlockN, kStride>(s, qf, warp_q, sk + stage * C::kKeys, lane);
+      Mma::template scores<kMT, kD, kBlockN, kStride>(s, qf, warp_q, slot, lane);
 
       // Keys after a row's diagonal (the zero rows past key_end among them) get no weight.
       const int j0 = pad + (group + i * C::kGroups) * kBlockN;
@@ -481,14 +494,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
         }
       }
 
-      Mma::template accumulate<kMT, kD, kBlockN, kStride>(o, s, sv + stage * C::kKeys, lane);
-      // The next tile has landed, and this one's buffers are free for the one after.
-      cp_async_wait<0>();
-      if constexpr (C::kGroups == 1) {
-        __syncthreads();
-      } else {
-        group_barrier(1 + group, C::kGroupThreads);
-      }
+      Mma::template accumulate<kMT, kD, kBlockN, kStride>(o, s, slot + C::kKeys, lane);
     }
   }
 
@@ -517,7 +523,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
     __syncthreads();
     if (group > 0) return;
     for (int other = 1; other < C::kGroups; ++other) {
-      const float* merge = reinterpret_cast<const float*>(sq + C::kQuery + other * 4 * C::kKeys) +
+      const float* merge = reinterpret_cast<const float*>(sq + C::kQuery + other * C::kGroupKeys) +
                            group_tid;
       int x = 0;
 #pragma unroll
