@@ -1,4 +1,4 @@
-// causal_attention in `fusekit check` and `fusekit bench` (CPU only until its CUDA backend lands).
+// causal_attention in `fusekit check` and `fusekit bench`.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
