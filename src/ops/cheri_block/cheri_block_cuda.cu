@@ -12,12 +12,14 @@
 // otherwise.
 //
 // Inference (cheri_block_inference). The statistics, then one persistent kernel: each CTA turns
-// the two linear weights into float16 in shared memory once, then loops over tiles of 64 rows of
-// (n, l): x of the next tile arrives by cp.async while the current one runs; conv + norm into a
-// float16 A tile, GEMM1 on tensor cores (mma.sync m16n8k16, float32 accumulation) 64 hidden
-// columns at a time, GELU(tanh) in float32 into a float16 tile, GEMM2 accumulating [64, C] in
-// registers, out = x + residual_scale * acc. C of 64 and 128 with E C a multiple of 64; other
-// shapes (or misaligned rows) take the training forward's path.
+// the two linear weights into float16 in shared memory once, then loops over tiles of 128 rows
+// of (n, l), x of the next tile arriving by cp.async while the current one runs. Each of the 8
+// warps owns 16 rows through both products: conv + norm straight into float16 A fragments in
+// registers (taps from the shared tile, or from global near the tile's ends), then per 16 hidden
+// columns GEMM1 (mma.sync m16n8k16, float32 accumulation), GELU(tanh) in float32 into GEMM2's A
+// fragments, GEMM2 accumulating [16, C] in registers; out = x + residual_scale * acc, x kept in
+// registers from the tile. C of 64 and 128 with E C a multiple of 64; other shapes (or
+// misaligned rows) take the training forward's path.
 //
 // Training (cheri_block, cheri_block_backward). float32 intermediates, the four activation
 // products and the two weight-gradient products through cuBLASLt (TF32 for float32 inputs when
@@ -552,21 +554,7 @@ __global__ void sum_partials_kernel(const float* part, std::int64_t count, std::
 
 // ------------------------------------------------------------------------------------ inference
 
-constexpr int kTileRows = 64;     // rows of (n, l) per tile of the fused inference kernel
-constexpr int kHiddenChunk = 64;  // hidden columns per GEMM1 -> GELU -> GEMM2 step
-constexpr int kPad = 8;           // halves after each shared row: ldmatrix rows on distinct banks
-
-template <typename T, int kC>
-std::size_t fused_smem_bytes(std::int64_t hidden) {
-  const auto h = static_cast<std::size_t>(hidden);
-  return 2 * kTileRows * kC * sizeof(T)                        // x tiles, double-buffered
-         + h * (kC + kPad) * sizeof(__half)                    // linear1 [E C, C]
-         + kC * (h + kPad) * sizeof(__half)                    // linear2 [C, E C]
-         + kTileRows * (kC + kPad) * sizeof(__half)            // A tile
-         + kTileRows * (kHiddenChunk + kPad) * sizeof(__half)  // GELU(h) chunk
-         + 3 * kC * sizeof(float)                              // taps
-         + 2 * 2 * kTileRows * sizeof(int);                    // (n, l) of the rows, 2 tiles
-}
+constexpr int kPad = 8;  // halves after each shared weight row: ldmatrix rows on distinct banks
 
 template <typename T>
 __device__ __forceinline__ void store_pair(T* p, float a, float b);
@@ -583,42 +571,82 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
-// 8 warps: 2 along the tile's rows (32 each) by 4 along the columns (GEMM1: 16 of a hidden
-// chunk; GEMM2: C / 4 output channels). Per tile: the x rows arrive by cp.async (issued during
-// the previous tile's products); A from them and the taps (all loads issued before any use);
-// the next tile's x is requested; the products; the epilogue.
+constexpr int kRowTile = 128;    // rows of (n, l) per tile of the fused kernel: 16 per warp
+constexpr int kHiddenStep = 16;  // hidden columns per GEMM1 -> GELU -> GEMM2 step of one warp
+// E C of the fused kernel: whole steps, and 16-byte ldmatrix rows on distinct banks (any multiple
+// of 16 would do; multiples of 64 are what the tests cover).
+constexpr int kFusedHiddenMultiple = 64;
+
+template <typename T, int kC>
+std::size_t fused_smem_bytes(std::int64_t hidden) {
+  const auto h = static_cast<std::size_t>(hidden);
+  return kRowTile * (kC + kVec16<T>) * sizeof(T)  // x tile, rows padded by 16 bytes
+         + h * (kC + kPad) * sizeof(__half)       // linear1 [E C, C]
+         + kC * (h + kPad) * sizeof(__half)       // linear2 [C, E C]
+         + 3 * kC * sizeof(float);                // taps
+}
+
+/// Two consecutive elements of T in one access.
+template <typename T>
+struct PairOf {
+  using type = float2;
+};
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+__device__ __forceinline__ float2 to_float2(float2 v) { return v; }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+
+__device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+
+// Each warp owns 16 rows of a 128-row tile through both products, so that GELU(h) goes from
+// GEMM1's accumulators straight into GEMM2's A fragments (the m16n8 accumulator layout is the
+// m16k16 A layout) and no warp waits for another between them. Per tile: the x rows (arrived by
+// cp.async into one shared tile) become the warp's A fragments (conv + norm, float16) in
+// registers, and the x values at the positions of the warp's output fragment are kept for the
+// residual; then the next tile's x is requested and streams in while the products run.
+// The taps of rows near the tile's ends (or all, for d of 128 and more) come from global memory.
 template <typename T, int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_inference_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
-                           const float* w2, const float* mean, const float* rstd) {
+                                const float* w2, const float* mean, const float* rstd) {
+  using Pair = typename PairOf<T>::type;
   constexpr int kV = kVec16<T>;
-  constexpr int kLdA = kC + kPad;
-  constexpr int kLdG = kHiddenChunk + kPad;
-  constexpr int kNT2 = kC / 32;                              // n8 tiles per warp in GEMM2
-  constexpr int kGroups = kC / kV;                           // 16-byte pieces per row
-  constexpr int kUnits = kTileRows * kGroups / kThreads;     // pieces of A per thread
-  static_assert(kTileRows * kGroups % kThreads == 0, "whole pieces per thread");
+  constexpr int kLdX = kC + kV;                     // x tile row: 16 bytes of padding
+  constexpr int kLdW1 = kC + kPad;
+  constexpr int kKSteps = kC / 16;                  // k16 steps of GEMM1
+  constexpr int kNT = kC / 8;                       // n8 tiles of GEMM2
+  constexpr int kGroups = kC / kV;                  // 16-byte pieces per row
+  constexpr int kRowsPerPass = kThreads / kGroups;  // rows one pass of the threads copies
+  static_assert(kThreads % kGroups == 0 && kRowTile % kRowsPerPass == 0, "whole rows per pass");
+  static_assert(kRowTile == 16 * (kThreads / kWarpSize), "16 rows per warp");
   const int hidden = static_cast<int>(p.hidden);
   const int ld_w2 = hidden + kPad;
   extern __shared__ __align__(16) unsigned char smem[];
-  T* xs = reinterpret_cast<T*>(smem);                                     // [2][64][C] x's dtype
-  __half* w1s = reinterpret_cast<__half*>(xs + 2 * kTileRows * kC);       // [E C][C + 8]
-  __half* w2s = w1s + static_cast<std::size_t>(hidden) * kLdA;            // [C][E C + 8]
-  __half* as = w2s + static_cast<std::size_t>(kC) * ld_w2;                // [64][C + 8]
-  __half* gs = as + kTileRows * kLdA;                                     // [64][64 + 8]
-  float* cw = reinterpret_cast<float*>(gs + kTileRows * kLdG);            // [3][C]
-  int* row_nl = reinterpret_cast<int*>(cw + 3 * kC);                      // [2][64][2]: n, l
+  T* xs = reinterpret_cast<T*>(smem);                                   // [128][C + pad] x
+  __half* w1s = reinterpret_cast<__half*>(xs + kRowTile * kLdX);        // [E C][C + 8]
+  __half* w2s = w1s + static_cast<std::size_t>(hidden) * kLdW1;         // [C][E C + 8]
+  float* cw = reinterpret_cast<float*>(w2s + static_cast<std::size_t>(kC) * ld_w2);  // [3][C]
 
   const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
-  const int wm = warp / 4, wn = warp % 4;
-  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kTileRows);
-  const std::int64_t d = p.dilation;
+  const int g = lane / 4, q = lane % 4;
+  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kRowTile);
+  const std::int64_t d = p.dilation, len = p.l;
 
 #pragma unroll 8
   for (int i = t; i < hidden * kC / 4; i += kThreads) {
     const int e = 4 * i, r = e / kC, c = e % kC;
     const float4 v = __ldg(reinterpret_cast<const float4*>(w1) + i);
-    __half2* dst = reinterpret_cast<__half2*>(w1s + r * kLdA + c);
+    __half2* dst = reinterpret_cast<__half2*>(w1s + r * kLdW1 + c);
     dst[0] = __floats2half2_rn(v.x, v.y);
     dst[1] = __floats2half2_rn(v.z, v.w);
   }
@@ -632,155 +660,129 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   for (int i = t; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
 
-  // (n, l) of the tile's rows into table `buf` (n = -1 past the end): one division per row.
-  auto locate = [&](std::int64_t tile, int buf) {
-    if (t < kTileRows) {
-      const std::int64_t row = tile * kTileRows + t;
-      int* nl = row_nl + (buf * kTileRows + t) * 2;
-      nl[0] = row < rows ? static_cast<int>(row / p.l) : -1;
-      nl[1] = row < rows ? static_cast<int>(row % p.l) : 0;
-    }
-  };
-  auto issue_x = [&](int buf) {
-    T* dst = xs + buf * kTileRows * kC;
-    const int* nl = row_nl + buf * kTileRows * 2;
+  // The tile's rows into xs: thread t copies piece t % kGroups of rows t / kGroups + k
+  // kRowsPerPass, walking (n, l) along without a division per row.
+  auto issue_x = [&](std::int64_t tile) {
+    const int r0 = t / kGroups, piece = t % kGroups;
+    std::int64_t f = tile * kRowTile + r0;
+    std::int64_t n = f / len, l = f % len;
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) {
-      const int i = t + u * kThreads, r = i / kGroups, piece = i % kGroups;
-      if (nl[2 * r] >= 0) {
-        cp_async_16(dst + r * kC + piece * kV, row_of<T>(p.x, nl[2 * r], nl[2 * r + 1]) + piece * kV);
+    for (int u = 0; u < kRowTile / kRowsPerPass; ++u) {
+      if (f < rows) {
+        cp_async_16(xs + (r0 + u * kRowsPerPass) * kLdX + piece * kV,
+                    row_of<T>(p.x, n, l) + piece * kV);
+      }
+      f += kRowsPerPass;
+      l += kRowsPerPass;
+      while (l >= len) {
+        l -= len;
+        ++n;
       }
     }
     cp_async_commit();
   };
 
-  int buf = 0;
-  if (blockIdx.x < tiles) {
-    locate(blockIdx.x, 0);
-    __syncthreads();
-    issue_x(0);
-  }
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+  if (blockIdx.x < tiles) issue_x(blockIdx.x);
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     cp_async_wait<0>();
-    __syncthreads();  // x of this tile landed; the previous tile's epilogue is done
-    const bool has_next = tile + gridDim.x < tiles;
-    if (has_next) locate(tile + gridDim.x, buf ^ 1);
-    const T* xt = xs + buf * kTileRows * kC;  // [64][C]
-    const int* nl = row_nl + buf * kTileRows * 2;
+    __syncthreads();  // this tile's x landed (every thread's copies)
 
-    // A [64, C] float16 = (conv - mean) * rstd; rows past the end are zero. Every load of the
-    // thread's pieces is issued before the first is used.
-    {
-      float mid[kUnits][kV], left[kUnits][kV], right[kUnits][kV];
+    // A fragments [16, C] float16 of the warp's rows, and x at the output fragment's positions:
+    // lane (g, q) holds rows g and g + 8, columns 16 ks + 8 j + 2 q + {0, 1}.
+    std::uint32_t af[kKSteps][4];
+    Pair xr[kNT][2];
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
-        const int i = t + u * kThreads, r = i / kGroups, c0 = (i % kGroups) * kV;
-        const int n = nl[2 * r];
-        const std::int64_t l = nl[2 * r + 1];
-        load_shared_floats<T, kV>(xt + r * kC + c0, mid[u]);
-        if (n >= 0) {
-          // a tap outside the sequence reads the row itself, then counts as zero
-          load_vec<T, kV>(row_of<T>(p.x, n, l >= d ? l - d : l) + c0, left[u]);
-          load_vec<T, kV>(row_of<T>(p.x, n, l + d < p.l ? l + d : l) + c0, right[u]);
-        }
-      }
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int r = 16 * warp + g + 8 * h2;
+      const std::int64_t f = tile * kRowTile + r;
+      const bool live = f < rows;
+      const std::int64_t n = live ? f / len : 0, l = live ? f % len : 0;
+      const bool has_left = live && l >= d, has_right = live && l + d < len;
+      const T* mid = xs + r * kLdX;
+      // a tap inside the tile comes from shared memory, else from global; a missing one reads
+      // the row itself and counts as zero
+      const T* left = !has_left ? mid : (r >= d ? mid - d * kLdX : row_of<T>(p.x, n, l - d));
+      const T* right =
+          !has_right ? mid : (r + d < kRowTile ? mid + d * kLdX : row_of<T>(p.x, n, l + d));
+      const float m = live ? mean[n] : 0.0f, rs = live ? rstd[n] : 0.0f;
 #pragma unroll
-      for (int u = 0; u < kUnits; ++u) {
-        const int i = t + u * kThreads, r = i / kGroups, c0 = (i % kGroups) * kV;
-        const int n = nl[2 * r];
-        const std::int64_t l = nl[2 * r + 1];
-        float a[kV];
+      for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
-        for (int k = 0; k < kV; ++k) a[k] = 0.0f;
-        if (n >= 0) {
-          const bool has_left = l >= d, has_right = l + d < p.l;
-          const float m = mean[n], rs = rstd[n];
-#pragma unroll
-          for (int k = 0; k < kV; ++k) {
-            float v = cw[kC + c0 + k] * mid[u][k];
-            if (has_left) v += cw[c0 + k] * left[u][k];
-            if (has_right) v += cw[2 * kC + c0 + k] * right[u][k];
-            a[k] = (v - m) * rs;
+        for (int j = 0; j < 2; ++j) {
+          const int c = 16 * ks + 8 * j + 2 * q;
+          const Pair xm = *reinterpret_cast<const Pair*>(mid + c);
+          const float2 vl = to_float2(*reinterpret_cast<const Pair*>(left + c));
+          const float2 vr = to_float2(*reinterpret_cast<const Pair*>(right + c));
+          xr[2 * ks + j][h2] = xm;
+          const float2 vm = to_float2(xm);
+          const float2 wl = *reinterpret_cast<const float2*>(cw + c);
+          const float2 wm = *reinterpret_cast<const float2*>(cw + kC + c);
+          const float2 wr = *reinterpret_cast<const float2*>(cw + 2 * kC + c);
+          float v0 = wm.x * vm.x, v1 = wm.y * vm.y;
+          if (has_left) {
+            v0 += wl.x * vl.x;
+            v1 += wl.y * vl.y;
           }
+          if (has_right) {
+            v0 += wr.x * vr.x;
+            v1 += wr.y * vr.y;
+          }
+          af[ks][2 * j + h2] = live ? pack_half2((v0 - m) * rs, (v1 - m) * rs) : 0u;
         }
-        __half2* dst = reinterpret_cast<__half2*>(as + r * kLdA + c0);
-#pragma unroll
-        for (int k = 0; k < kV / 2; ++k) dst[k] = __floats2half2_rn(a[2 * k], a[2 * k + 1]);
       }
     }
-    __syncthreads();
-    if (has_next) issue_x(buf ^ 1);
+    __syncthreads();  // every warp is done with xs
+    if (tile + gridDim.x < tiles) issue_x(tile + gridDim.x);
 
-    float acc2[2][kNT2][4] = {};  // [m16 tile][n8 tile][fragment]: out rows 32 wm.., cols C/4 wn..
-    for (int hc = 0; hc < hidden; hc += kHiddenChunk) {
-      float acc1[2][2][4] = {};
+    float acc2[kNT][4] = {};  // [n8 tile][fragment]: out [16, C] of the warp's rows
+    for (int hc = 0; hc < hidden; hc += kHiddenStep) {
+      constexpr int kSteps = kHiddenStep / 16;
+      float acc1[2 * kSteps][4] = {};  // h [16, kHiddenStep]: hidden columns hc ..
 #pragma unroll
-      for (int kk = 0; kk < kC; kk += 16) {
-        std::uint32_t a[2][4], b[4];
+      for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          ldmatrix_x4(a[mi], as + (32 * wm + 16 * mi + lane % 16) * kLdA + kk + (lane / 16) * 8);
-        }
-        ldmatrix_x4(b, w1s + (hc + 16 * wn + (lane & 7) + ((lane >> 4) << 3)) * kLdA + kk +
-                           ((lane >> 3) & 1) * 8);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          mma_16816(acc1[mi][0], a[mi], b[0], b[1]);
-          mma_16816(acc1[mi][1], a[mi], b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
-            const int c = 16 * wn + 8 * ni + 2 * (lane % 4);
-            *reinterpret_cast<__half2*>(gs + r * kLdG + c) =
-                __floats2half2_rn(gelu_tanh_fast(acc1[mi][ni][2 * h2]),
-                                  gelu_tanh_fast(acc1[mi][ni][2 * h2 + 1]));
-          }
-        }
-      }
-      __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < kHiddenChunk; kk += 16) {
-        std::uint32_t a[2][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          ldmatrix_x4(a[mi], gs + (32 * wm + 16 * mi + lane % 16) * kLdG + kk + (lane / 16) * 8);
-        }
-#pragma unroll
-        for (int np = 0; np < kNT2 / 2; ++np) {
+        for (int np = 0; np < kSteps; ++np) {
           std::uint32_t b[4];
-          ldmatrix_x4(b, w2s + ((kC / 4) * wn + 16 * np + (lane & 7) + ((lane >> 4) << 3)) * ld_w2 +
-                             hc + kk + ((lane >> 3) & 1) * 8);
-#pragma unroll
-          for (int mi = 0; mi < 2; ++mi) {
-            mma_16816(acc2[mi][2 * np], a[mi], b[0], b[1]);
-            mma_16816(acc2[mi][2 * np + 1], a[mi], b[2], b[3]);
-          }
+          ldmatrix_x4(b, w1s + (hc + 16 * np + (lane & 7) + ((lane >> 4) << 3)) * kLdW1 +
+                             16 * ks + ((lane >> 3) & 1) * 8);
+          mma_16816(acc1[2 * np], af[ks], b[0], b[1]);
+          mma_16816(acc1[2 * np + 1], af[ks], b[2], b[3]);
         }
       }
-      __syncthreads();  // the GELU chunk is free again
+      // GELU(h) as GEMM2's A fragments [16, kHiddenStep] (kSteps k16 steps).
+      std::uint32_t ag[kSteps][4];
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float* lo = acc1[2 * kk + half];
+          ag[kk][2 * half] = pack_half2(gelu_tanh_fast(lo[0]), gelu_tanh_fast(lo[1]));
+          ag[kk][2 * half + 1] = pack_half2(gelu_tanh_fast(lo[2]), gelu_tanh_fast(lo[3]));
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kC / 16; ++np) {
+          std::uint32_t b[4];
+          ldmatrix_x4(b, w2s + (16 * np + (lane & 7) + ((lane >> 4) << 3)) * ld_w2 + hc +
+                             16 * kk + ((lane >> 3) & 1) * 8);
+          mma_16816(acc2[2 * np], ag[kk], b[0], b[1]);
+          mma_16816(acc2[2 * np + 1], ag[kk], b[2], b[3]);
+        }
+      }
     }
 
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const std::int64_t f = tile * kRowTile + 16 * warp + g + 8 * h2;
+      if (f >= rows) continue;
+      T* dst = out_row_of<T>(p.out, f / len, f % len);
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int r = 32 * wm + 16 * mi + lane / 4 + 8 * h2;
-        const int n = nl[2 * r];
-        if (n < 0) continue;
-        T* dst = out_row_of<T>(p.out, n, nl[2 * r + 1]);
-#pragma unroll
-        for (int ni = 0; ni < kNT2; ++ni) {
-          const int c = (kC / 4) * wn + 8 * ni + 2 * (lane % 4);
-          const float x0 = to_float(xt[r * kC + c]), x1 = to_float(xt[r * kC + c + 1]);
-          store_pair<T>(dst + c, x0 + p.residual_scale * acc2[mi][ni][2 * h2],
-                        x1 + p.residual_scale * acc2[mi][ni][2 * h2 + 1]);
-        }
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float2 x = to_float2(xr[nt][h2]);
+        store_pair<T>(dst + 8 * nt + 2 * q, x.x + p.residual_scale * acc2[nt][2 * h2],
+                      x.y + p.residual_scale * acc2[nt][2 * h2 + 1]);
       }
     }
   }
@@ -1158,10 +1160,9 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   plane_statistics<T>(q, conv_w, at<double>(ws, o_part), mean, rstd, stream);
   const std::size_t smem = fused_smem_bytes<T, kC>(h);
   const auto kernel = cheri_inference_kernel<T, kC>;
-  FUSEKIT_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(smem)));
-  const std::int64_t tiles = ceil_div(p.n * p.l, kTileRows);
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+  const std::int64_t tiles = ceil_div(p.n * p.l, kRowTile);
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>(tiles, multiprocessor_count(device)));
   kernel<<<blocks, kThreads, smem, stream>>>(q, conv_w, w1, w2, mean, rstd);
@@ -1171,7 +1172,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
 /// Whether the fused inference kernel for C = kC takes this call.
 template <typename T, int kC>
 bool fused_fits(const CheriBlockParams& p, int device) {
-  return p.c == kC && p.hidden % kHiddenChunk == 0 &&
+  return p.c == kC && p.hidden % kFusedHiddenMultiple == 0 &&
          fused_smem_bytes<T, kC>(p.hidden) <=
              static_cast<std::size_t>(max_shared_memory_per_block(device)) &&
          rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
