@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
+#include <vector>
+
 #include "fusekit/fusekit.h"
 #include "test_support.h"
 
@@ -31,6 +34,26 @@ class CudaTest : public Seeded<Base> {
     if (fusekit::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+/// The nodes of a captured graph by kind: kernels, and stream-ordered allocations and frees.
+struct GraphNodeCounts {
+  int kernels = 0, allocs = 0, frees = 0;
+};
+
+/// Counts the nodes of `graph` into `counts` (call through ASSERT_NO_FATAL_FAILURE).
+inline void count_graph_nodes(cudaGraph_t graph, GraphNodeCounts& counts) {
+  std::size_t count = 0;
+  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  ASSERT_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    ASSERT_CUDA(cudaGraphNodeGetType(node, &type));
+    counts.kernels += type == cudaGraphNodeTypeKernel;
+    counts.allocs += type == cudaGraphNodeTypeMemAlloc;
+    counts.frees += type == cudaGraphNodeTypeMemFree;
+  }
+}
 
 /// A stream made for one test.
 class OwnStream {

@@ -526,21 +526,11 @@ TEST_P(MhcPostCudaGraph, CapturedForwardAndBackwardReplay) {
   }
   ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
 
-  std::size_t count = 0;
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
-  std::vector<cudaGraphNode_t> nodes(count);
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
-  int kernels = 0, allocs = 0, frees = 0;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType type{};
-    ASSERT_CUDA(cudaGraphNodeGetType(node, &type));
-    kernels += type == cudaGraphNodeTypeKernel;
-    allocs += type == cudaGraphNodeTypeMemAlloc;
-    frees += type == cudaGraphNodeTypeMemFree;
-  }
-  EXPECT_EQ(kernels, 3) << "forward, backward, chunk reduction";
-  EXPECT_EQ(allocs, 1);
-  EXPECT_EQ(frees, 1);
+  GraphNodeCounts nodes;
+  ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));
+  EXPECT_EQ(nodes.kernels, 3) << "forward, backward, chunk reduction";
+  EXPECT_EQ(nodes.allocs, 1);
+  EXPECT_EQ(nodes.frees, 1);
 
   cudaGraphExec_t exec = nullptr;
   ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));

@@ -424,20 +424,10 @@ TEST_P(TrimulCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
   ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
   expect_untouched(t.out, "out after the capture (nothing runs while capturing)");
 
-  std::size_t count = 0;
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
-  std::vector<cudaGraphNode_t> nodes(count);
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
-  int kernels = 0, allocs = 0, frees = 0;
-  for (cudaGraphNode_t node : nodes) {
-    cudaGraphNodeType type{};
-    ASSERT_CUDA(cudaGraphNodeGetType(node, &type));
-    kernels += type == cudaGraphNodeTypeKernel;
-    allocs += type == cudaGraphNodeTypeMemAlloc;
-    frees += type == cudaGraphNodeTypeMemFree;
-  }
-  EXPECT_GT(kernels, 0) << "no kernel was captured";
-  EXPECT_EQ(allocs, frees) << "every workspace taken in the graph is given back in it";
+  GraphNodeCounts nodes;
+  ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));
+  EXPECT_GT(nodes.kernels, 0) << "no kernel was captured";
+  EXPECT_EQ(nodes.allocs, nodes.frees) << "every workspace taken in the graph is given back in it";
 
   cudaGraphExec_t exec = nullptr;
   ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
