@@ -35,7 +35,11 @@
 // Determinism: bitwise deterministic for a given device, shape and layout (on the CPU whatever
 // the number of threads).
 // Temporary memory: the CPU backend keeps float32 scratch of a few blocks of rows per thread
-// (about 260 KiB per thread at D = 256).
+// (about 260 KiB per thread at D = 256); the CUDA backend takes none (one kernel launch).
+// Speed: head dims up to 32, 64, 128 and 256 run kernels specialised for them (a D in between
+// pads to the next, with zeros); D = 32, 64 and 128 are the fast ones. Rows of q, k and v that
+// start 16-byte aligned, with strides in whole 16-byte pieces, are copied by cp.async; any other
+// layout takes element-wise loads, correct and slower.
 // Stream: the CUDA work is enqueued on `stream` and never synchronises; the call can be captured
 // in a CUDA graph. On the CPU the call returns when the result is written.
 #pragma once
