@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "fusekit/fusekit.h"
@@ -34,6 +35,44 @@ class CudaTest : public Seeded<Base> {
     if (fusekit::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+/// Captures what `enqueue` puts on `stream` (global mode) into `*graph`. A fusekit::Error thrown
+/// while capturing ends the capture, leaves `*graph` null and fails the test (call through
+/// ASSERT_NO_FATAL_FAILURE).
+template <typename Enqueue>
+void capture_graph(cudaStream_t stream, cudaGraph_t* graph, Enqueue&& enqueue) {
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  try {
+    enqueue();
+  } catch (const fusekit::Error& e) {
+    cudaStreamEndCapture(stream, graph);
+    if (*graph != nullptr) cudaGraphDestroy(*graph);
+    *graph = nullptr;
+    FAIL() << "capture failed: " << e.what();
+  }
+  ASSERT_CUDA(cudaStreamEndCapture(stream, graph));
+}
+
+/// The two allocations hold the same bytes, padding and poison included.
+inline void expect_same_bytes(const DeviceTensor& got, const DeviceTensor& expected,
+                              const std::string& what) {
+  const std::vector<unsigned char> a = raw_bytes(got), b = raw_bytes(expected);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  std::size_t differ = 0, first = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i] && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.size()
+                        << " bytes differ, the first at byte " << first;
+}
+
+/// Every byte of `t`'s allocation still holds the poison: nothing was written at all.
+inline void expect_untouched(const DeviceTensor& t, const std::string& what) {
+  std::size_t written = 0;
+  for (unsigned char byte : raw_bytes(t)) written += byte != 0xff;
+  EXPECT_EQ(written, 0u) << what << ": " << written << " bytes of " << t.view.describe()
+                         << " were written";
+}
 
 /// The nodes of a captured graph by kind: kernels, and stream-ordered allocations and frees.
 struct GraphNodeCounts {

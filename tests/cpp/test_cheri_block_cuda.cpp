@@ -62,19 +62,6 @@ bool uses_tf32(const CheriCase& c) { return c.dtype == DType::Float32 && c.allow
 
 // ------------------------------------------------------------------------------------ checks
 
-// The two allocations hold the same bytes, padding and poison included.
-void expect_same_bytes(const DeviceTensor& got, const DeviceTensor& expected,
-                       const std::string& what) {
-  const std::vector<unsigned char> a = raw_bytes(got), b = raw_bytes(expected);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  std::size_t differ = 0, first = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i] && differ++ == 0) first = i;
-  }
-  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.size()
-                        << " bytes differ, the first at byte " << first;
-}
-
 void check_conv_norm(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
   const Tolerance elementwise = cheri_elementwise_tolerance(c.dtype);
   {
@@ -419,20 +406,14 @@ TEST_P(CheriCudaGraph, CapturedCallsReplayBitwiseAsDirectCalls) {
   OwnStream s;
   const fusekit::Stream stream = s.stream();
   cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
-  try {
+  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] {
     fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options(), stream);
     fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view,
                                   t.weights(), t.mean_in.view, t.rstd_in.view, c.block_options(),
                                   stream);
     fusekit::dilated_conv_norm(t.out.view, t.mean.view, t.rstd.view, t.x.view,
                                t.conv_weight.view, c.conv_options(), stream);
-  } catch (const fusekit::Error& e) {
-    cudaStreamEndCapture(s.get(), &graph);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    FAIL() << "capture failed: " << e.what();
-  }
-  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  }));
   cudaGraphExec_t exec = nullptr;
   ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {

@@ -163,14 +163,7 @@ TEST_P(LolaCudaGraph, CapturedCallReplays) {
 
   OwnStream s;
   cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
-  try {
-    run_lola(t, c, {}, s.stream());
-  } catch (const fusekit::Error& e) {
-    cudaStreamEndCapture(s.get(), &graph);
-    FAIL() << "capture failed: " << e.what();
-  }
-  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] { run_lola(t, c, {}, s.stream()); }));
   std::size_t count = 0;
   ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
   EXPECT_GE(count, 3u) << "workspace allocation, LayerNorm, matrix product";

@@ -516,15 +516,10 @@ TEST_P(MhcPostCudaGraph, CapturedForwardAndBackwardReplay) {
 
   OwnStream s;
   cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
-  try {
+  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] {
     run_mhc_post(out, d, s.stream());
     run_mhc_post_backward(grads, g, d, s.stream());
-  } catch (const fusekit::Error& e) {
-    cudaStreamEndCapture(s.get(), &graph);
-    FAIL() << "capture failed: " << e.what();
-  }
-  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
+  }));
 
   GraphNodeCounts nodes;
   ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));

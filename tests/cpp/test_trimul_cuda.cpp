@@ -66,42 +66,6 @@ void expect_matches_cpu(const HostTensor& got, const TrimulInputs& in, const Tri
   expect_close(got, expected, trimul_cuda_tolerance(c, expected), what);
 }
 
-// The two allocations hold the same bytes, padding and poison included.
-void expect_same_bytes(const DeviceTensor& got, const DeviceTensor& expected,
-                       const std::string& what) {
-  const std::vector<unsigned char> a = raw_bytes(got), b = raw_bytes(expected);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  std::size_t differ = 0, first = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i] && differ++ == 0) first = i;
-  }
-  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << a.size()
-                        << " bytes differ, the first at byte " << first;
-}
-
-// Every byte of `t`'s allocation still holds the poison: nothing was written at all.
-void expect_untouched(const DeviceTensor& t, const std::string& what) {
-  std::size_t written = 0;
-  for (unsigned char byte : raw_bytes(t)) written += byte != 0xff;
-  EXPECT_EQ(written, 0u) << what << ": " << written << " bytes of " << t.view.describe()
-                         << " were written";
-}
-
-// Captures one call on `stream` (global mode) into `*graph`.
-void capture_trimul(const TrimulTensors& t, const TrimulCase& c, cudaStream_t stream,
-                    cudaGraph_t* graph) {
-  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  try {
-    run_trimul(t, c, fusekit::Stream{stream});
-  } catch (const fusekit::Error& e) {
-    cudaStreamEndCapture(stream, graph);
-    if (*graph != nullptr) cudaGraphDestroy(*graph);
-    *graph = nullptr;
-    FAIL() << "capture failed: " << e.what();
-  }
-  ASSERT_CUDA(cudaStreamEndCapture(stream, graph));
-}
-
 const TrimulLayouts& layouts_named(std::string_view name) {
   for (const TrimulLayoutCase& l : kTrimulLayouts) {
     if (name == l.name) return l.layouts;
@@ -306,7 +270,8 @@ TEST_F(TrimulCudaMisc, EmptyInputsWriteNothing) {
 
     OwnStream s;
     cudaGraph_t graph = nullptr;
-    ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+    ASSERT_NO_FATAL_FAILURE(
+      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
     std::size_t nodes = 0;
     ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
     EXPECT_EQ(nodes, 0u) << "an empty call enqueued work";
@@ -421,7 +386,8 @@ TEST_P(TrimulCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
   cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+  ASSERT_NO_FATAL_FAILURE(
+      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
   expect_untouched(t.out, "out after the capture (nothing runs while capturing)");
 
   GraphNodeCounts nodes;
@@ -459,7 +425,8 @@ TEST_F(TrimulCudaMisc, CapturedBeforeAnyDirectCallOfItsShape) {
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
   cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_trimul(t, c, s.get(), &graph));
+  ASSERT_NO_FATAL_FAILURE(
+      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
   cudaGraphExec_t exec = nullptr;
   ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
