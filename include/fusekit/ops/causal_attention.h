@@ -39,7 +39,9 @@
 // Speed: head dims up to 32, 64, 128 and 256 run kernels specialised for them (a D in between
 // pads to the next, with zeros); D = 32, 64 and 128 are the fast ones. Rows of q, k and v that
 // start 16-byte aligned, with strides in whole 16-byte pieces, are copied by cp.async; any other
-// layout takes element-wise loads, correct and slower.
+// layout takes element-wise loads, correct and slower. The float32 kernels at D > 128 (and at
+// 64 < D <= 128 when B * Hq * T is small) take up to 195 KiB of shared memory per block: a GPU
+// that offers less (sm_80 offers 163 KiB) gets a fusekit::Error saying so.
 // Stream: the CUDA work is enqueued on `stream` and never synchronises; the call can be captured
 // in a CUDA graph. On the CPU the call returns when the result is written.
 #pragma once
