@@ -25,6 +25,10 @@ class CudaDeviceGuard {
   int previous_ = -1;
 };
 
+/// Devices whose per-kernel settings (shared-memory limits) launchers remember; settings for
+/// higher ordinals are made on every call.
+inline constexpr int kMaxDevices = 64;
+
 /// Multiprocessor count and compute capability (major) of `device`, read once per device.
 int multiprocessor_count(int device);
 int compute_capability_major(int device);

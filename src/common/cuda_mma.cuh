@@ -23,6 +23,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(smem)),
                "l"(global));
 }
+/// As cp_async_16 when `valid`; otherwise the 16 bytes at `smem` are zeroed and nothing is read
+/// (`global` must still be a valid address).
+__device__ __forceinline__ void cp_async_16_or_zero(void* smem, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
+               "l"(global), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /// Waits until at most `Pending` committed groups are still in flight.
 template <int Pending>

@@ -184,11 +184,13 @@ inline Tolerance lola_cpu_tolerance(DType dtype) {
 /// error of up to u of its size; summed with random signs over K that stays near u times the
 /// output's scale (under 6u at the extreme of a million outputs), then the output rounding adds
 /// up to u relative. TF32 (float32 by default) rounds both operands, the weight as well, to 11
-/// significant bits: each product then carries up to 2 * 2^-11, so u counts twice.
+/// significant bits: each product then carries up to 2 * 2^-11, so u counts twice. The error of
+/// the whole output is judged against 4u of its norm: with a handful of outputs on GELU's flat
+/// side (small values, errors of the pre-GELU size) the ratio has been seen at 2.5u.
 inline Tolerance lola_cuda_tolerance(DType dtype, bool tf32 = true) {
   if (dtype == DType::Float32 && !tf32) return {2e-5, 1e-5, 2e-6};
   const double u = dtype == DType::Float32 ? 2 * 0x1p-11 : unit_roundoff(dtype);
-  return {8 * u, 2 * u, 2 * u};
+  return {8 * u, 2 * u, 4 * u};
 }
 
 }  // namespace fusekit_test

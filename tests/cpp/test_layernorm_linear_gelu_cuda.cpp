@@ -57,6 +57,13 @@ const LolaCase kCases[] = {
     {{4}, 511, 20, true, true, GeluApproximation::None, -2.3, 0.5},
     {{2, 1, 3}, 16, 8},
     {{16}, 4096, 2048},  // decode-like: few rows, long K
+    // Up to 64 rows with K a multiple of 8 take the few-rows kernel: partial steps of k, partial
+    // tiles of rows and columns, 16, 32 and 64 rows a block, 32 and 64 columns a block.
+    {{17}, 200, 130, true, false, GeluApproximation::None},
+    {{2, 16}, 72, 4100},
+    {{1}, 256, 9001, true, true, GeluApproximation::None, 100.0, 1.0},
+    {{48}, 8, 70},
+    {{65}, 64, 40},  // one row past the few-rows kernel
 };
 
 class LolaCuda : public CudaTest<::testing::TestWithParam<std::tuple<DType, LolaCase>>> {};
@@ -131,15 +138,17 @@ TEST_F(LolaCudaMisc, EmptyRowsAndOutputsWriteNothing) {
 
 TEST_F(LolaCudaMisc, BitwiseDeterministic) {
   for (DType dtype : kDtypes) {
-    const LolaCase c{{257}, 1000, 520, true, true};
-    const LolaInputs in = make_lola_inputs(c, dtype, rng_);
-    const LolaTensors a = upload_lola(in, c, dtype, kCuda);
-    const LolaTensors b = upload_lola(in, c, dtype, kCuda);
-    run_lola(a, c);
-    run_lola(b, c);
-    run_lola(b, c);
-    expect_device_ok();
-    EXPECT_EQ(raw_bytes(a.out), raw_bytes(b.out)) << fusekit::to_string(dtype);
+    // 40 rows: the few-rows kernel adds its k groups' sums in a fixed order
+    for (const LolaCase& c : {LolaCase{{257}, 1000, 520, true, true}, LolaCase{{40}, 1000, 520}}) {
+      const LolaInputs in = make_lola_inputs(c, dtype, rng_);
+      const LolaTensors a = upload_lola(in, c, dtype, kCuda);
+      const LolaTensors b = upload_lola(in, c, dtype, kCuda);
+      run_lola(a, c);
+      run_lola(b, c);
+      run_lola(b, c);
+      expect_device_ok();
+      EXPECT_EQ(raw_bytes(a.out), raw_bytes(b.out)) << fusekit::to_string(dtype);
+    }
   }
 }
 
@@ -154,10 +163,13 @@ TEST_F(LolaCudaMisc, RunsOnTheGivenStream) {
                "out");
 }
 
-class LolaCudaGraph : public CudaTest<::testing::TestWithParam<GeluApproximation>> {};
+class LolaCudaGraph
+    : public CudaTest<::testing::TestWithParam<std::tuple<GeluApproximation, std::int64_t>>> {};
 
+// 120 rows take cuBLASLt; 16 rows the few-rows kernel, launched as a dependent of the LayerNorm.
 TEST_P(LolaCudaGraph, CapturedCallReplays) {
-  LolaCase c{{3, 40}, 768, 1000, true, true, GetParam()};
+  const auto [approximate, rows] = GetParam();
+  LolaCase c{{3, rows / 3}, 768, 1000, true, true, approximate};
   const LolaInputs in = make_lola_inputs(c, DType::Float16, rng_);
   LolaTensors t = upload_lola(in, c, DType::Float16, kCuda);
 
@@ -184,9 +196,14 @@ TEST_P(LolaCudaGraph, CapturedCallReplays) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gelu, LolaCudaGraph,
-                         ::testing::Values(GeluApproximation::Tanh, GeluApproximation::None),
+                         ::testing::Combine(::testing::Values(GeluApproximation::Tanh,
+                                                              GeluApproximation::None),
+                                            ::testing::Values(std::int64_t{120}, std::int64_t{15})),
                          [](const auto& info) {
-                           return info.param == GeluApproximation::Tanh ? "tanh" : "erf";
+                           return std::string(std::get<0>(info.param) == GeluApproximation::Tanh
+                                                  ? "tanh"
+                                                  : "erf") +
+                                  "_M" + std::to_string(std::get<1>(info.param));
                          });
 
 TEST_F(LolaCudaMisc, MixedDevicesAreRejected) {

@@ -37,7 +37,6 @@ namespace {
 
 constexpr const char* kOp = "causal_attention";
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kMaxDevices = 64;
 
 struct Args {
   const void* q;

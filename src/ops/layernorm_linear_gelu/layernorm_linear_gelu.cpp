@@ -122,6 +122,7 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   p.nout = nout;
   p.dtype = x.dtype;
   p.x = x.data;
+  p.x_row_stride = collapsed_row_stride(x, lead, k);
   p.x_lead_ndim = lead;
   for (int d = 0; d < lead; ++d) {
     p.x_lead_shape[d] = x.shape[d];

@@ -5,19 +5,26 @@
 // near 2^-11, below half precision's rounding but not float32's), so the exact GELU and every
 // GELU of the exact float32 path run as a pass over the output instead.
 //
+// At most 64 rows (decoding) the matrix product is a stream over the weights, which cuBLASLt's
+// choices read at half the copy rate or less; a kernel of fusekit's own takes it (float16 and
+// bfloat16, row-major weights, K a multiple of 8), with the bias and either GELU in its epilogue.
+//
 // The algorithm: cuBLASLt's heuristic proposes candidates for the shape, layout and alignments;
 // the first call that is not being captured into a graph times them on the real operands (this
 // synchronises the stream once) and keeps the fastest for the rest of the process.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
+#include "common/cuda_mma.cuh"
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
@@ -34,9 +41,25 @@ constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 
 // ------------------------------------------------------------------------------------ LayerNorm
 
+// Programmatic dependent launch (sm_90): a kernel launched as a dependent may start once every
+// block of the kernel before it has called allow_dependents(); it waits for that kernel's
+// completion and memory with wait_for_prerequisites() before touching what it wrote. Both are
+// no-ops on older devices and for kernels launched the ordinary way.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 struct LayerNormArgs {
   std::int64_t m, k;
   const void* x;
+  std::int64_t row_stride;  // -1: the row's offset comes from its leading-dims index
   int lead_ndim;
   std::int64_t lead_shape[kMaxDims], lead_stride[kMaxDims];
   std::int64_t k_stride;
@@ -58,16 +81,16 @@ __device__ __forceinline__ float load_param(const void* p, bool is_f32, std::int
                 : to_float(static_cast<const T*>(p)[i * stride]);
 }
 
-// 16 bytes of T as floats, through the cache (the row is read three times).
-template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
+// 16 bytes of T as floats, through L1 (the row is read three times).
+template <typename T>
+__device__ __forceinline__ void load_row_vec(const T* p, float (&v)[kVec16<T>]) {
   union {
     uint4 raw;
-    T e[V];
+    T e[kVec16<T>];
   } u;
-  u.raw = *reinterpret_cast<const uint4*>(p);
+  u.raw = __ldg(reinterpret_cast<const uint4*>(p));
 #pragma unroll
-  for (int i = 0; i < V; ++i) v[i] = to_float(u.e[i]);
+  for (int i = 0; i < kVec16<T>; ++i) v[i] = to_float(u.e[i]);
 }
 
 // floats as 16 bytes of T, through the cache (the matrix product reads them next).
@@ -82,109 +105,151 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
   *reinterpret_cast<uint4*>(p) = u.raw;
 }
 
-// One warp per row. With CHUNKS > 0, a contiguous, aligned row of at most CHUNKS * 512 bytes
-// whose length is a multiple of 16 bytes is read once into registers (all loads in flight at
-// once); every other row is read three times (sum, squared deviations, output) from the cache.
-template <typename T, int CHUNKS>
-__global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormArgs a) {
-  constexpr int V = kVec16<T>;
-  const int lane = threadIdx.x & 31;
-  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= a.m) return;
+// The code of these kernels is small on purpose (rolled loops, one copy of each step): the
+// benchmarks run them after the weights or an L2 flush have swept their code out of the caches,
+// and code then arrives from memory at about one cache line (8 instructions) per 200 cycles. The
+// first version held the row in a warp's registers, fully unrolled: 2400 instructions, 40 us for
+// 16 rows of 4096.
 
-  std::int64_t offset = 0, r = row;
-  for (int d = a.lead_ndim - 1; d >= 0; --d) {
+// The element offset of row `row` of x.
+__device__ __forceinline__ std::int64_t row_offset(const LayerNormArgs& a, std::int64_t row) {
+  if (a.row_stride >= 0) return row * a.row_stride;
+  std::int64_t offset = 0;
+  for (std::int64_t d = a.lead_ndim - 1, r = row; d >= 0; --d) {
     offset += (r % a.lead_shape[d]) * a.lead_stride[d];
     r /= a.lead_shape[d];
   }
-  const T* x = static_cast<const T*>(a.x) + offset;
+  return offset;
+}
+
+// v = v * ln_weight[q..] + ln_bias[q..], either optional.
+template <typename T, int V>
+__device__ __noinline__ void affine_vec(const LayerNormArgs& a, std::int64_t q, float (&v)[V]) {
+  for (int i = 0; i < V; ++i) {
+    if (a.ln_weight) v[i] *= load_param<T>(a.ln_weight, a.ln_weight_f32, q + i, a.ln_weight_stride);
+    if (a.ln_bias) v[i] += load_param<T>(a.ln_bias, a.ln_bias_f32, q + i, a.ln_bias_stride);
+  }
+}
+
+// One block of 256 threads per row, held in registers: R 16-byte vectors a thread. For rows that
+// are contiguous, 16-byte aligned and a multiple of 16 bytes long, at most R * 4 KB.
+template <typename T, int R>
+__global__ void __launch_bounds__(256) layernorm_row_block(LayerNormArgs a) {
+  constexpr int V = kVec16<T>;
+  __shared__ float scratch[8];
+  allow_dependents();  // the few-rows product starts streaming its weights now
+  const std::int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(a.x) + row_offset(a, row);
+  T* dst = static_cast<T*>(a.xn) + row * a.ld;
+
+  float v[R][V];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const std::int64_t q = (r * 256 + threadIdx.x) * V;
+    if (q < a.k) load_row_vec<T>(x + q, v[r]);
+  }
+  // The sums run on x - x[0]: exact for values near x[0] (within a factor 2), and of the size of
+  // the deviations, so a mean far from 0 costs no digits of the variance or of x - mean.
+  const float shift = to_float(x[0]);
+  float sum = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if ((r * 256 + threadIdx.x) * V < a.k) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum += v[r][i] - shift;
+    }
+  }
+  const float mean = block_sum<8>(sum, scratch) / static_cast<float>(a.k);  // of x - shift
+  float sq = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if ((r * 256 + threadIdx.x) * V < a.k) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) sq += (v[r][i] - shift - mean) * (v[r][i] - shift - mean);
+    }
+  }
+  const float rstd = rsqrtf(block_sum<8>(sq, scratch) / static_cast<float>(a.k) + a.eps);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const std::int64_t q = (r * 256 + threadIdx.x) * V;
+    if (q < a.k) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[r][i] = (v[r][i] - shift - mean) * rstd;
+      if (a.ln_weight || a.ln_bias) affine_vec<T, V>(a, q, v[r]);  // out of the common path
+      store_vec<T, V>(dst + q, v[r]);
+    }
+  }
+}
+
+// One warp per row, for every other row: read three times (sum, squared deviations, output),
+// element by element where the row is strided or misaligned.
+template <typename T>
+__global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormArgs a) {
+  constexpr int V = kVec16<T>;
+  allow_dependents();
+  const int lane = threadIdx.x & 31;
+  const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= a.m) return;
+  const T* x = static_cast<const T*>(a.x) + row_offset(a, row);
   T* dst = static_cast<T*>(a.xn) + row * a.ld;
   // The 16-byte part of a contiguous, aligned row, then the rest element by element.
   const bool vec = a.k_stride == 1 && is_aligned(x, 16);
   const std::int64_t k_vec = vec ? a.k / V * V : 0;
 
-  // The sums run on x - x[0]: exact for values near x[0] (within a factor 2), and of the size of
-  // the deviations, so a mean far from 0 costs no digits of the variance or of x - mean.
-  const float shift = to_float(x[0]);
-  auto normalise = [&](float v, std::int64_t q, float mean, float rstd) {
-    v = (v - shift - mean) * rstd;
-    if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
-    if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
-    return v;
-  };
-
-  if constexpr (CHUNKS > 0) {
-    if (vec && a.k % V == 0 && a.k <= CHUNKS * 32 * V) {
-      float v[CHUNKS][V];
-      float sum = 0.0f;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        const std::int64_t q = (c * 32 + lane) * V;
-        if (q < a.k) {
-          load_vec<T, V>(x + q, v[c]);
-#pragma unroll
-          for (int i = 0; i < V; ++i) sum += v[c][i] - shift;
-        }
-      }
-      const float mean = warp_sum(sum) / static_cast<float>(a.k);
-      float sq = 0.0f;
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        if ((c * 32 + lane) * V < a.k) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) sq += (v[c][i] - shift - mean) * (v[c][i] - shift - mean);
-        }
-      }
-      const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(a.k) + a.eps);
-#pragma unroll
-      for (int c = 0; c < CHUNKS; ++c) {
-        const std::int64_t q = (c * 32 + lane) * V;
-        if (q < a.k) {
-#pragma unroll
-          for (int i = 0; i < V; ++i) v[c][i] = normalise(v[c][i], q + i, mean, rstd);
-          store_vec<T, V>(dst + q, v[c]);
-        }
-      }
-      return;
-    }
-  }
-
+  const float shift = to_float(x[0]);  // as in layernorm_row_block
   float sum = 0.0f;
+#pragma unroll 4
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_vec<T, V>(x + q, v);
+    load_row_vec<T>(x + q, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) sum += v[i] - shift;
   }
+#pragma unroll 1
   for (std::int64_t q = k_vec + lane; q < a.k; q += 32) sum += to_float(x[q * a.k_stride]) - shift;
   const float mean = warp_sum(sum) / static_cast<float>(a.k);  // of x - shift
 
   float sq = 0.0f;
+#pragma unroll 1
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_vec<T, V>(x + q, v);
+    load_row_vec<T>(x + q, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) sq += (v[i] - shift - mean) * (v[i] - shift - mean);
   }
+#pragma unroll 1
   for (std::int64_t q = k_vec + lane; q < a.k; q += 32) {
     const float d = to_float(x[q * a.k_stride]) - shift - mean;
     sq += d * d;
   }
   const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(a.k) + a.eps);
 
+  auto normalise = [&](float v, std::int64_t q) {
+    v = (v - shift - mean) * rstd;
+    if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
+    if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
+    return v;
+  };
+#pragma unroll 1
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_vec<T, V>(x + q, v);
+    load_row_vec<T>(x + q, v);
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = normalise(v[i], q + i, mean, rstd);
+    for (int i = 0; i < V; ++i) v[i] = normalise(v[i], q + i);
     store_vec<T, V>(dst + q, v);
   }
+#pragma unroll 1
   for (std::int64_t q = k_vec + lane; q < a.k; q += 32) {
-    dst[q] = from_float<T>(normalise(to_float(x[q * a.k_stride]), q, mean, rstd));
+    dst[q] = from_float<T>(normalise(to_float(x[q * a.k_stride]), q));
   }
 }
 
 // ------------------------------------------------------------------------------------ GELU pass
+
+__device__ __forceinline__ float gelu(float v, bool tanh_form) {
+  return tanh_form ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                   : 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+}
 
 template <typename T, GeluApproximation A>
 __global__ void gelu_rows(T* out, std::int64_t m, std::int64_t n, std::int64_t ld) {
@@ -192,12 +257,246 @@ __global__ void gelu_rows(T* out, std::int64_t m, std::int64_t n, std::int64_t l
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     T* p = out + (i / n) * ld + i % n;
-    const float v = to_float(*p);
-    if constexpr (A == GeluApproximation::Tanh) {
-      *p = from_float<T>(0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))));
-    } else {
-      *p = from_float<T>(0.5f * v * (1.0f + erff(v * 0.7071067811865476f)));
+    *p = from_float<T>(gelu(to_float(*p), A == GeluApproximation::Tanh));
+  }
+}
+
+// ------------------------------------------------------------------------------------ few rows
+//
+// out[M, Nout] = GELU(xn weight^T + bias) for M <= 64: each block owns kBN output columns (kBN / 16
+// warps across them) and walks K in steps of 64. A step's weight rows (kBN x 64) and normalised
+// rows (M x 64, zero-filled up to a multiple of 16) arrive by cp.async up to 11 steps ahead, in
+// 128-byte rows whose 16-byte chunks are swizzled by the row so that ldmatrix is conflict-free.
+// With kBN < 128 the eight warps split each step's k between 2 or 4 groups, whose sums are added
+// at the end in a fixed order. The epilogue is a rolled loop over the block's outputs, so that its
+// code (GELU included) is a few cache lines to fetch, not one copy per accumulator. Launched as a dependent of the LayerNorm kernel, a block puts its
+// first weight steps in flight before the normalised rows exist.
+
+constexpr int kFewRowsMax = 64;
+constexpr int kFewWarps = 8;
+constexpr int kFewStepK = 64;  // k per step: rows of 128 bytes, 8 chunks of 16
+
+struct FewRowsArgs {
+  std::int64_t m, n, k;
+  const void* xn;
+  std::int64_t ld_xn;
+  const void* w;  // [n, k], rows ld_w apart
+  std::int64_t ld_w;
+  const void* bias;  // [n] or null
+  void* out;
+  std::int64_t ld_out;
+  bool tanh_gelu;
+};
+
+template <typename T, int kMTiles, int kWarpsN>
+struct FewRows {
+  static constexpr int kRowsA = 16 * kMTiles;
+  static constexpr int kBN = 16 * kWarpsN;
+  static constexpr int kGroupsK = kFewWarps / kWarpsN;
+  static constexpr int kK16PerWarp = kFewStepK / 16 / kGroupsK;
+  static constexpr int kStageElems = (kRowsA + kBN) * kFewStepK;
+  static constexpr std::size_t kStageBytes = std::size_t{kStageElems} * sizeof(T);
+  // As many steps in flight as 96 KB hold (at most 12): they hide the LayerNorm's latency too.
+  static constexpr int kStages = std::min<int>(12, (std::size_t{96} << 10) / kStageBytes);
+  static constexpr std::size_t kSharedBytes = kStages * kStageBytes;
+  // The k groups' sums, [group][row][column] in float32, for the epilogue.
+  static constexpr std::size_t kSumsBytes = std::size_t{kGroupsK} * kRowsA * kBN * sizeof(float);
+  static_assert(kFewStepK / 16 % kGroupsK == 0 && kSumsBytes <= kSharedBytes && kStages >= 3);
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 64-element rows.
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kFewStepK + ((chunk ^ (row & 7)) * 8);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_half(float (&c)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
+                                         std::uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_16816(c, a, b0, b1);
+  } else {
+    mma_16816_bf16(c, a, b0, b1);
+  }
+}
+
+template <typename T, int kMTiles, int kWarpsN>
+__global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs a) {
+  using C = FewRows<T, kMTiles, kWarpsN>;
+  extern __shared__ __align__(128) unsigned char shared_raw[];
+  T* shared = reinterpret_cast<T*>(shared_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
+  const int wn = warp % kWarpsN, wk = warp / kWarpsN;
+  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * C::kBN;
+  const int steps = static_cast<int>((a.k + kFewStepK - 1) / kFewStepK);
+  const T* w = static_cast<const T*>(a.w);
+  const T* xn = static_cast<const T*>(a.xn);
+
+  const auto tile_a = [&](int step) { return shared + (step % C::kStages) * C::kStageElems; };
+  const auto tile_b = [&](int step) { return tile_a(step) + C::kRowsA * kFewStepK; };
+  // Chunks past K, past Nout or past M are zero-filled, so they add nothing.
+  const auto load_b = [&](int step) {
+    T* dst = tile_b(step);
+    const std::int64_t k0 = std::int64_t{step} * kFewStepK;
+#pragma unroll
+    for (int i = tid; i < C::kBN * 8; i += kFewWarps * 32) {
+      const int row = i / 8, chunk = i % 8;
+      const std::int64_t n = n0 + row, k = k0 + chunk * 8;
+      const bool valid = n < a.n && k < a.k;
+      cp_async_16_or_zero(dst + swizzled(row, chunk), valid ? w + n * a.ld_w + k : w, valid);
     }
+  };
+  const auto load_a = [&](int step) {
+    T* dst = tile_a(step);
+    const std::int64_t k0 = std::int64_t{step} * kFewStepK;
+#pragma unroll
+    for (int i = tid; i < C::kRowsA * 8; i += kFewWarps * 32) {
+      const int row = i / 8, chunk = i % 8;
+      const std::int64_t k = k0 + chunk * 8;
+      const bool valid = row < a.m && k < a.k;
+      cp_async_16_or_zero(dst + swizzled(row, chunk), valid ? xn + row * a.ld_xn + k : xn, valid);
+    }
+  };
+
+  // Weights first (one group per step), then the normalised rows once the LayerNorm is done.
+  for (int step = 0; step < C::kStages - 1; ++step) {
+    if (step < steps) load_b(step);
+    cp_async_commit();
+  }
+  wait_for_prerequisites();
+  for (int step = 0; step < C::kStages - 1 && step < steps; ++step) load_a(step);
+  cp_async_commit();
+
+  float acc[kMTiles][2][4] = {};
+  const int q = lane / 8;  // which 8x8 matrix of an ldmatrix_x4 this lane addresses
+  for (int step = 0; step < steps; ++step) {
+    if (step == 0) {
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<C::kStages - 2>();
+    }
+    __syncthreads();  // the step has landed, and every warp is done with the slot refilled next
+    if (const int next = step + C::kStages - 1; next < steps) {
+      load_b(next);
+      load_a(next);
+    }
+    cp_async_commit();
+
+    const T* ta = tile_a(step);
+    const T* tb = tile_b(step);
+#pragma unroll
+    for (int j = 0; j < C::kK16PerWarp; ++j) {
+      const int k16 = wk + j * C::kGroupsK;
+      // Matrices: columns 0-7 then 8-15 of the warp's 16, each at k 0-7 and 8-15 of the k16.
+      std::uint32_t b[4];
+      ldmatrix_x4(b, tb + swizzled(wn * 16 + (q / 2) * 8 + lane % 8, 2 * k16 + q % 2));
+#pragma unroll
+      for (int t = 0; t < kMTiles; ++t) {
+        std::uint32_t af[4];
+        ldmatrix_x4(af, ta + swizzled(t * 16 + (q % 2) * 8 + lane % 8, 2 * k16 + q / 2));
+        mma_half<T>(acc[t][0], af, b[0], b[1]);
+        mma_half<T>(acc[t][1], af, b[2], b[3]);
+      }
+    }
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();  // the stages are free: every warp's sums go there
+  float* sums = reinterpret_cast<float*>(shared_raw);
+#pragma unroll
+  for (int t = 0; t < kMTiles; ++t) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = t * 16 + lane / 4 + (e / 2) * 8;
+        const int col = wn * 16 + j * 8 + 2 * (lane % 4) + e % 2;
+        sums[(wk * C::kRowsA + row) * C::kBN + col] = acc[t][j][e];
+      }
+    }
+  }
+  __syncthreads();
+
+  const T* bias = static_cast<const T*>(a.bias);
+  T* out = static_cast<T*>(a.out);
+  const int rows = static_cast<int>(a.m);
+#pragma unroll 1
+  for (int i = tid; i < rows * C::kBN; i += kFewWarps * 32) {
+    const int row = i / C::kBN, col = i % C::kBN;
+    const std::int64_t n = n0 + col;
+    if (n >= a.n) continue;
+    float v = sums[row * C::kBN + col];
+#pragma unroll
+    for (int group = 1; group < C::kGroupsK; ++group) v += sums[(group * C::kRowsA + row) * C::kBN + col];
+    if (bias) v += to_float(bias[n]);
+    out[row * a.ld_out + n] = from_float<T>(gelu(v, a.tanh_gelu));
+  }
+}
+
+// Whether the few-rows kernel takes the product (see the top of the file).
+template <typename T>
+bool few_rows_fits(const LayerNormLinearGeluParams& p) {
+  return !std::is_same_v<T, float> && p.m <= kFewRowsMax && p.w_stride_k == 1 && p.k % 8 == 0 &&
+         p.w_stride_n % 8 == 0 && is_aligned(p.weight, 16);
+}
+
+template <typename T, int kMTiles, int kWarpsN>
+void launch_few_rows(const FewRowsArgs& a, int device, cudaStream_t stream) {
+  using C = FewRows<T, kMTiles, kWarpsN>;
+  const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN>;
+  static std::atomic<bool> allowed[kMaxDevices];
+  if (device >= kMaxDevices || !allowed[device].load(std::memory_order_acquire)) {
+    FUSEKIT_CHECK(C::kSharedBytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)),
+                  kOp, ": the kernel for M <= ", C::kRowsA, " needs ", C::kSharedBytes,
+                  " bytes of shared memory per block, device ", device, " offers ",
+                  max_shared_memory_per_block(device));
+    FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(C::kSharedBytes)));
+    if (device < kMaxDevices) allowed[device].store(true, std::memory_order_release);
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ceil_div(a.n, C::kBN)));
+  config.blockDim = dim3(kFewWarps * 32);
+  config.dynamicSmemBytes = C::kSharedBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = compute_capability_major(device) >= 9 ? 1 : 0;
+  FUSEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
+}
+
+// 64 columns a block when that fills the device once, else 32.
+template <typename T, int kMTiles>
+void launch_few_rows_columns(const FewRowsArgs& a, int device, cudaStream_t stream) {
+  if (ceil_div(a.n, std::int64_t{64}) >= multiprocessor_count(device)) {
+    launch_few_rows<T, kMTiles, 4>(a, device, stream);
+  } else {
+    launch_few_rows<T, kMTiles, 2>(a, device, stream);
+  }
+}
+
+template <typename T>
+void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn, int device,
+                     cudaStream_t stream) {
+  FewRowsArgs a{};
+  a.m = p.m;
+  a.n = p.nout;
+  a.k = p.k;
+  a.xn = xn;
+  a.ld_xn = ld_xn;
+  a.w = p.weight;
+  a.ld_w = p.w_stride_n;
+  a.bias = p.bias;
+  a.out = p.out;
+  a.ld_out = p.out_row_stride;
+  a.tanh_gelu = p.approximate == GeluApproximation::Tanh;
+  if (p.m <= 16) {
+    launch_few_rows_columns<T, 1>(a, device, stream);
+  } else if (p.m <= 32) {
+    launch_few_rows_columns<T, 2>(a, device, stream);
+  } else {
+    launch_few_rows_columns<T, 4>(a, device, stream);
   }
 }
 
@@ -373,6 +672,7 @@ void run(const LayerNormLinearGeluParams& p, int device, cudaStream_t stream) {
   a.m = p.m;
   a.k = p.k;
   a.x = p.x;
+  a.row_stride = p.x_row_stride;
   a.lead_ndim = p.x_lead_ndim;
   for (int d = 0; d < p.x_lead_ndim; ++d) {
     a.lead_shape[d] = p.x_lead_shape[d];
@@ -388,26 +688,33 @@ void run(const LayerNormLinearGeluParams& p, int device, cudaStream_t stream) {
   a.eps = p.eps;
   a.xn = xn;
   a.ld = ld_xn;
-  const auto blocks = static_cast<unsigned>(ceil_div(p.m, kRowsPerBlock));
-  const std::int64_t chunks = ceil_div(p.k, 32 * kVec16<T>);  // of 16 bytes per lane
-  const auto launch = [&](auto kernel) {
-    kernel<<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
-    FUSEKIT_CUDA_CHECK_LAUNCH("layernorm_rows");
-  };
-  if (chunks <= 1) {
-    launch(layernorm_rows<T, 1>);
-  } else if (chunks <= 2) {
-    launch(layernorm_rows<T, 2>);
-  } else if (chunks <= 4) {
-    launch(layernorm_rows<T, 4>);
-  } else if (chunks <= 8) {
-    launch(layernorm_rows<T, 8>);
-  } else if (chunks <= 16) {
-    launch(layernorm_rows<T, 16>);
-  } else {
-    launch(layernorm_rows<T, 0>);
+  // A block per row where the row is contiguous, every row 16-byte aligned, and it fits in
+  // registers (at most 16 KB); a warp per row otherwise.
+  constexpr int V = kVec16<T>;
+  bool vec = p.x_k_stride == 1 && p.k % V == 0 && is_aligned(p.x, 16);
+  for (int d = 0; d < p.x_lead_ndim; ++d) {
+    vec = vec && (p.x_lead_shape[d] == 1 || p.x_lead_stride[d] % V == 0);
   }
+  const std::int64_t per_thread = ceil_div(p.k, 256 * V);  // 16-byte vectors
+  const auto rows = static_cast<unsigned>(p.m);
+  if (vec && per_thread <= 1) {
+    layernorm_row_block<T, 1><<<rows, 256, 0, stream>>>(a);
+  } else if (vec && per_thread <= 2) {
+    layernorm_row_block<T, 2><<<rows, 256, 0, stream>>>(a);
+  } else if (vec && per_thread <= 4) {
+    layernorm_row_block<T, 4><<<rows, 256, 0, stream>>>(a);
+  } else {
+    const auto blocks = static_cast<unsigned>(ceil_div(p.m, kRowsPerBlock));
+    layernorm_rows<T><<<blocks, kRowsPerBlock * 32, 0, stream>>>(a);
+  }
+  FUSEKIT_CUDA_CHECK_LAUNCH("layernorm_rows");
 
+  if constexpr (!std::is_same_v<T, float>) {
+    if (few_rows_fits<T>(p)) {
+      few_rows_matmul<T>(p, xn, ld_xn, device, stream);
+      return;
+    }
+  }
   matmul(p, xn, ld_xn, device, stream);
 
   if (!gelu_in_epilogue(p)) {

@@ -18,6 +18,7 @@ struct LayerNormLinearGeluParams {
   std::int64_t x_lead_shape[kMaxDims] = {};
   std::int64_t x_lead_stride[kMaxDims] = {};
   std::int64_t x_k_stride = 1;
+  std::int64_t x_row_stride = -1;  // when the leading dims collapse to one, else -1
 
   // weight [Nout, K]: w_stride_k == 1 (row-major) or w_stride_n == 1 (transposed row-major).
   const void* weight = nullptr;
