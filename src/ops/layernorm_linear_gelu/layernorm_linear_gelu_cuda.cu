@@ -124,7 +124,7 @@ __device__ __forceinline__ std::int64_t row_offset(const LayerNormArgs& a, std::
 
 // v = v * ln_weight[q..] + ln_bias[q..], either optional.
 template <typename T, int V>
-__device__ __noinline__ void affine_vec(const LayerNormArgs& a, std::int64_t q, float (&v)[V]) {
+__device__ __forceinline__ void affine_vec(const LayerNormArgs& a, std::int64_t q, float (&v)[V]) {
   for (int i = 0; i < V; ++i) {
     if (a.ln_weight) v[i] *= load_param<T>(a.ln_weight, a.ln_weight_f32, q + i, a.ln_weight_stride);
     if (a.ln_bias) v[i] += load_param<T>(a.ln_bias, a.ln_bias_f32, q + i, a.ln_bias_stride);
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(256) layernorm_row_block(LayerNormArgs a) {
     if (q < a.k) {
 #pragma unroll
       for (int i = 0; i < V; ++i) v[r][i] = (v[r][i] - shift - mean) * rstd;
-      if (a.ln_weight || a.ln_bias) affine_vec<T, V>(a, q, v[r]);  // out of the common path
+      if (a.ln_weight || a.ln_bias) affine_vec<T, V>(a, q, v[r]);
       store_vec<T, V>(dst + q, v[r]);
     }
   }
@@ -264,17 +264,20 @@ __global__ void gelu_rows(T* out, std::int64_t m, std::int64_t n, std::int64_t l
 // ------------------------------------------------------------------------------------ few rows
 //
 // out[M, Nout] = GELU(xn weight^T + bias) for M <= 64: each block owns kBN output columns (kBN / 16
-// warps across them) and walks K in steps of 64. A step's weight rows (kBN x 64) and normalised
-// rows (M x 64, zero-filled up to a multiple of 16) arrive by cp.async up to 11 steps ahead, in
-// 128-byte rows whose 16-byte chunks are swizzled by the row so that ldmatrix is conflict-free.
-// With kBN < 128 the eight warps split each step's k between 2 or 4 groups, whose sums are added
-// at the end in a fixed order. The epilogue is a rolled loop over the block's outputs, so that its
-// code (GELU included) is a few cache lines to fetch, not one copy per accumulator. Launched as a dependent of the LayerNorm kernel, a block puts its
-// first weight steps in flight before the normalised rows exist.
+// warps across them) and walks K in steps of kStepK. A step's weight rows (kBN x kStepK) and
+// normalised rows (M x kStepK, zero-filled up to a multiple of 16) arrive by cp.async up to 11
+// steps ahead, in rows whose 16-byte chunks are swizzled by the row so that ldmatrix is
+// conflict-free. With kBN < 128 the eight warps split each step's k between 2 or 4 groups, whose
+// sums are added at the end in a fixed order. The epilogue is a rolled loop over the block's
+// outputs, so that its code (GELU included) is a few cache lines to fetch, not one copy per
+// accumulator. Launched as a dependent of the LayerNorm kernel, a block puts its first weight
+// steps in flight before the normalised rows exist.
 
 constexpr int kFewRowsMax = 64;
 constexpr int kFewWarps = 8;
-constexpr int kFewStepK = 64;  // k per step: rows of 128 bytes, 8 chunks of 16
+// k per step: rows of 256 bytes. Against 128 (H100, M16 K4096 N16384, weights only): 61.0 us
+// against 64.4 at 64 columns a block, 62.5 against 88.0 at 32.
+constexpr int kFewStepK = 128;
 
 struct FewRowsArgs {
   std::int64_t m, n, k;
@@ -288,25 +291,27 @@ struct FewRowsArgs {
   bool tanh_gelu;
 };
 
-template <typename T, int kMTiles, int kWarpsN>
+template <typename T, int kMTiles, int kWarpsN, int kStepK>
 struct FewRows {
   static constexpr int kRowsA = 16 * kMTiles;
   static constexpr int kBN = 16 * kWarpsN;
   static constexpr int kGroupsK = kFewWarps / kWarpsN;
-  static constexpr int kK16PerWarp = kFewStepK / 16 / kGroupsK;
-  static constexpr int kStageElems = (kRowsA + kBN) * kFewStepK;
+  static constexpr int kChunks = kStepK / 8;  // 16-byte chunks of a row
+  static constexpr int kK16PerWarp = kStepK / 16 / kGroupsK;
+  static constexpr int kStageElems = (kRowsA + kBN) * kStepK;
   static constexpr std::size_t kStageBytes = std::size_t{kStageElems} * sizeof(T);
   // As many steps in flight as 96 KB hold (at most 12): they hide the LayerNorm's latency too.
   static constexpr int kStages = std::min<int>(12, (std::size_t{96} << 10) / kStageBytes);
   static constexpr std::size_t kSharedBytes = kStages * kStageBytes;
   // The k groups' sums, [group][row][column] in float32, for the epilogue.
   static constexpr std::size_t kSumsBytes = std::size_t{kGroupsK} * kRowsA * kBN * sizeof(float);
-  static_assert(kFewStepK / 16 % kGroupsK == 0 && kSumsBytes <= kSharedBytes && kStages >= 3);
+  static_assert(kStepK / 16 % kGroupsK == 0 && kSumsBytes <= kSharedBytes && kStages >= 3);
 };
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of 64-element rows.
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of kStepK-element rows.
+template <int kStepK>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kFewStepK + ((chunk ^ (row & 7)) * 8);
+  return row * kStepK + ((chunk ^ (row & 7)) * 8);
 }
 
 template <typename T>
@@ -319,41 +324,41 @@ __device__ __forceinline__ void mma_half(float (&c)[4], const std::uint32_t (&a)
   }
 }
 
-template <typename T, int kMTiles, int kWarpsN>
+template <typename T, int kMTiles, int kWarpsN, int kStepK>
 __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs a) {
-  using C = FewRows<T, kMTiles, kWarpsN>;
+  using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* shared = reinterpret_cast<T*>(shared_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid / 32;
   const int wn = warp % kWarpsN, wk = warp / kWarpsN;
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * C::kBN;
-  const int steps = static_cast<int>((a.k + kFewStepK - 1) / kFewStepK);
+  const int steps = static_cast<int>((a.k + kStepK - 1) / kStepK);
   const T* w = static_cast<const T*>(a.w);
   const T* xn = static_cast<const T*>(a.xn);
 
   const auto tile_a = [&](int step) { return shared + (step % C::kStages) * C::kStageElems; };
-  const auto tile_b = [&](int step) { return tile_a(step) + C::kRowsA * kFewStepK; };
+  const auto tile_b = [&](int step) { return tile_a(step) + C::kRowsA * kStepK; };
   // Chunks past K, past Nout or past M are zero-filled, so they add nothing.
   const auto load_b = [&](int step) {
     T* dst = tile_b(step);
-    const std::int64_t k0 = std::int64_t{step} * kFewStepK;
+    const std::int64_t k0 = std::int64_t{step} * kStepK;
 #pragma unroll
-    for (int i = tid; i < C::kBN * 8; i += kFewWarps * 32) {
-      const int row = i / 8, chunk = i % 8;
+    for (int i = tid; i < C::kBN * C::kChunks; i += kFewWarps * 32) {
+      const int row = i / C::kChunks, chunk = i % C::kChunks;
       const std::int64_t n = n0 + row, k = k0 + chunk * 8;
       const bool valid = n < a.n && k < a.k;
-      cp_async_16_or_zero(dst + swizzled(row, chunk), valid ? w + n * a.ld_w + k : w, valid);
+      cp_async_16_or_zero(dst + swizzled<kStepK>(row, chunk), valid ? w + n * a.ld_w + k : w, valid);
     }
   };
   const auto load_a = [&](int step) {
     T* dst = tile_a(step);
-    const std::int64_t k0 = std::int64_t{step} * kFewStepK;
+    const std::int64_t k0 = std::int64_t{step} * kStepK;
 #pragma unroll
-    for (int i = tid; i < C::kRowsA * 8; i += kFewWarps * 32) {
-      const int row = i / 8, chunk = i % 8;
+    for (int i = tid; i < C::kRowsA * C::kChunks; i += kFewWarps * 32) {
+      const int row = i / C::kChunks, chunk = i % C::kChunks;
       const std::int64_t k = k0 + chunk * 8;
       const bool valid = row < a.m && k < a.k;
-      cp_async_16_or_zero(dst + swizzled(row, chunk), valid ? xn + row * a.ld_xn + k : xn, valid);
+      cp_async_16_or_zero(dst + swizzled<kStepK>(row, chunk), valid ? xn + row * a.ld_xn + k : xn, valid);
     }
   };
 
@@ -388,11 +393,11 @@ __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs
       const int k16 = wk + j * C::kGroupsK;
       // Matrices: columns 0-7 then 8-15 of the warp's 16, each at k 0-7 and 8-15 of the k16.
       std::uint32_t b[4];
-      ldmatrix_x4(b, tb + swizzled(wn * 16 + (q / 2) * 8 + lane % 8, 2 * k16 + q % 2));
+      ldmatrix_x4(b, tb + swizzled<kStepK>(wn * 16 + (q / 2) * 8 + lane % 8, 2 * k16 + q % 2));
 #pragma unroll
       for (int t = 0; t < kMTiles; ++t) {
         std::uint32_t af[4];
-        ldmatrix_x4(af, ta + swizzled(t * 16 + (q % 2) * 8 + lane % 8, 2 * k16 + q / 2));
+        ldmatrix_x4(af, ta + swizzled<kStepK>(t * 16 + (q % 2) * 8 + lane % 8, 2 * k16 + q / 2));
         mma_half<T>(acc[t][0], af, b[0], b[1]);
         mma_half<T>(acc[t][1], af, b[2], b[3]);
       }
@@ -439,10 +444,10 @@ bool few_rows_fits(const LayerNormLinearGeluParams& p) {
          p.w_stride_n % 8 == 0 && is_aligned(p.weight, 16);
 }
 
-template <typename T, int kMTiles, int kWarpsN>
+template <typename T, int kMTiles, int kWarpsN, int kStepK = kFewStepK>
 void launch_few_rows(const FewRowsArgs& a, int device, cudaStream_t stream) {
-  using C = FewRows<T, kMTiles, kWarpsN>;
-  const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN>;
+  using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
+  const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN, kStepK>;
   static std::atomic<bool> allowed[kMaxDevices];
   if (device >= kMaxDevices || !allowed[device].load(std::memory_order_acquire)) {
     FUSEKIT_CHECK(C::kSharedBytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)),
