@@ -23,8 +23,11 @@
 // With half precision and with TF32, the tanh GELU is the matrix product's own epilogue, whose
 // tanh is a fast approximation (relative error near 2^-11); the exact float32 path and the erf
 // GELU apply GELU in a separate pass with full float32 functions (for half precision the erf
-// GELU then reads the pre-activation back rounded to x's dtype). The CPU backend computes in
-// float32 with double statistics and keeps the normalised rows in float32.
+// GELU then reads the pre-activation back rounded to x's dtype). With at most 64 rows of
+// float16 or bfloat16, a row-major weight and K a multiple of 8 (16-byte aligned weight rows),
+// fusekit's own kernel takes the product, with the bias and either GELU in float32 in its
+// epilogue; it has no algorithm to choose and no workspace. The CPU backend computes in float32
+// with double statistics and keeps the normalised rows in float32.
 // Aliasing: `out` must not overlap any input (checked).
 // Determinism: bitwise deterministic within a process for a given device, shape, layout and
 // alignment. On CUDA, the first call for a shape (outside graph capture) times the matrix
