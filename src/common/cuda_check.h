@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstddef>
+
 #include "fusekit/error.h"
 
 namespace fusekit::detail {
@@ -54,3 +57,28 @@ int shared_memory_per_multiprocessor(int device);
       ::fusekit::detail::throw_cuda_error(fusekit_err_, "launch of " kernel_name,     \
                                           __FILE__, __LINE__);                        \
   } while (0)
+
+namespace fusekit::detail {
+
+/// Lets `kernel` take `bytes` of dynamic shared memory on `device` (above the default 48 KiB),
+/// with the largest shared-memory carveout when `max_carveout`; done once per kernel and device,
+/// `done` being that kernel's flags. Where the device offers less, throws an Error that starts
+/// with `describe()` (operator and kernel) and says what was needed and what the device offers.
+template <typename Kernel, typename Describe>
+void allow_shared_memory(Kernel kernel, std::size_t bytes, int device,
+                         std::atomic<bool> (&done)[kMaxDevices], bool max_carveout,
+                         const Describe& describe) {
+  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return;
+  FUSEKIT_CHECK(bytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)),
+                describe(), " needs ", bytes, " bytes of shared memory per block, device ", device,
+                " offers ", max_shared_memory_per_block(device));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(bytes)));
+  if (max_carveout) {
+    FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+  }
+  if (device < kMaxDevices) done[device].store(true, std::memory_order_release);
+}
+
+}  // namespace fusekit::detail

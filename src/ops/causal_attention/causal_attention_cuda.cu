@@ -581,28 +581,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 
 // ---------------------------------------------------------------------------------- launch
 
-// Dynamic shared memory above the default 48 KiB is opted into once per kernel and device, with
-// the largest shared-memory carveout (so that two blocks fit on an SM).
-template <typename Kernel>
-void allow_shared_memory(Kernel kernel, std::size_t bytes, const Args& a, int device,
-                         std::atomic<bool> (&done)[kMaxDevices]) {
-  if (device < kMaxDevices && done[device].load(std::memory_order_acquire)) return;
-  FUSEKIT_CHECK(bytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)), kOp,
-                ": the kernel for q of D = ", a.d, " (B * Hq = ", a.heads, ", T = ", a.t,
-                ") needs ", bytes, " bytes of shared memory per block, device ", device,
-                " offers ", max_shared_memory_per_block(device));
-  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(bytes)));
-  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-  if (device < kMaxDevices) done[device].store(true, std::memory_order_release);
-}
-
 template <typename C>
 void launch(Args a, int device, cudaStream_t stream) {
   static std::atomic<bool> shared_allowed[kMaxDevices];
   const auto kernel = attention_kernel<C>;
-  allow_shared_memory(kernel, C::kSharedBytes, a, device, shared_allowed);
+  // The largest carveout, so that two blocks fit on an SM.
+  allow_shared_memory(kernel, C::kSharedBytes, device, shared_allowed, true, [&] {
+    return concat(kOp, ": the kernel for q of D = ", a.d, " (B * Hq = ", a.heads, ", T = ", a.t,
+                  ")");
+  });
   a.query_tiles = (a.t + C::kBlockM - 1) / C::kBlockM;
   const std::int64_t blocks = static_cast<std::int64_t>(a.query_tiles) * a.heads;
   FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",

@@ -122,13 +122,12 @@ __device__ __forceinline__ std::int64_t row_offset(const LayerNormArgs& a, std::
   return offset;
 }
 
-// v = v * ln_weight[q..] + ln_bias[q..], either optional.
-template <typename T, int V>
-__device__ __forceinline__ void affine_vec(const LayerNormArgs& a, std::int64_t q, float (&v)[V]) {
-  for (int i = 0; i < V; ++i) {
-    if (a.ln_weight) v[i] *= load_param<T>(a.ln_weight, a.ln_weight_f32, q + i, a.ln_weight_stride);
-    if (a.ln_bias) v[i] += load_param<T>(a.ln_bias, a.ln_bias_f32, q + i, a.ln_bias_stride);
-  }
+// v * ln_weight[q] + ln_bias[q], either optional.
+template <typename T>
+__device__ __forceinline__ float affine(const LayerNormArgs& a, std::int64_t q, float v) {
+  if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
+  if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
+  return v;
 }
 
 // One block of 256 threads per row, held in registers: R 16-byte vectors a thread. For rows that
@@ -175,7 +174,9 @@ __global__ void __launch_bounds__(256) layernorm_row_block(LayerNormArgs a) {
     if (q < a.k) {
 #pragma unroll
       for (int i = 0; i < V; ++i) v[r][i] = (v[r][i] - shift - mean) * rstd;
-      if (a.ln_weight || a.ln_bias) affine_vec<T, V>(a, q, v[r]);
+      if (a.ln_weight || a.ln_bias) {
+        for (int i = 0; i < V; ++i) v[r][i] = affine<T>(a, q + i, v[r][i]);
+      }
       store_vec<T, V>(dst + q, v[r]);
     }
   }
@@ -224,12 +225,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
   }
   const float rstd = rsqrtf(warp_sum(sq) / static_cast<float>(a.k) + a.eps);
 
-  auto normalise = [&](float v, std::int64_t q) {
-    v = (v - shift - mean) * rstd;
-    if (a.ln_weight) v *= load_param<T>(a.ln_weight, a.ln_weight_f32, q, a.ln_weight_stride);
-    if (a.ln_bias) v += load_param<T>(a.ln_bias, a.ln_bias_f32, q, a.ln_bias_stride);
-    return v;
-  };
+  auto normalise = [&](float v, std::int64_t q) { return affine<T>(a, q, (v - shift - mean) * rstd); };
 #pragma unroll 1
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
@@ -296,7 +292,6 @@ struct FewRows {
   static constexpr int kRowsA = 16 * kMTiles;
   static constexpr int kBN = 16 * kWarpsN;
   static constexpr int kGroupsK = kFewWarps / kWarpsN;
-  static constexpr int kChunks = kStepK / 8;  // 16-byte chunks of a row
   static constexpr int kK16PerWarp = kStepK / 16 / kGroupsK;
   static constexpr int kStageElems = (kRowsA + kBN) * kStepK;
   static constexpr std::size_t kStageBytes = std::size_t{kStageElems} * sizeof(T);
@@ -312,6 +307,22 @@ struct FewRows {
 template <int kStepK>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * kStepK + ((chunk ^ (row & 7)) * 8);
+}
+
+// Step `step` of kRows rows (`ld` apart from `src`) into a swizzled tile, by cp.async. Chunks of
+// rows past `rows` or past `k` are zero-filled, so they add nothing.
+template <typename T, int kRows, int kStepK>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, std::int64_t ld, std::int64_t rows,
+                                          int step, std::int64_t k) {
+  constexpr int kChunks = kStepK / 8;  // 16-byte chunks of a row
+  const std::int64_t k0 = std::int64_t{step} * kStepK;
+#pragma unroll
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kFewWarps * 32) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    const std::int64_t kc = k0 + chunk * 8;
+    const bool valid = row < rows && kc < k;
+    cp_async_16_or_zero(dst + swizzled<kStepK>(row, chunk), valid ? src + row * ld + kc : src, valid);
+  }
 }
 
 template <typename T>
@@ -338,28 +349,11 @@ __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs
 
   const auto tile_a = [&](int step) { return shared + (step % C::kStages) * C::kStageElems; };
   const auto tile_b = [&](int step) { return tile_a(step) + C::kRowsA * kStepK; };
-  // Chunks past K, past Nout or past M are zero-filled, so they add nothing.
   const auto load_b = [&](int step) {
-    T* dst = tile_b(step);
-    const std::int64_t k0 = std::int64_t{step} * kStepK;
-#pragma unroll
-    for (int i = tid; i < C::kBN * C::kChunks; i += kFewWarps * 32) {
-      const int row = i / C::kChunks, chunk = i % C::kChunks;
-      const std::int64_t n = n0 + row, k = k0 + chunk * 8;
-      const bool valid = n < a.n && k < a.k;
-      cp_async_16_or_zero(dst + swizzled<kStepK>(row, chunk), valid ? w + n * a.ld_w + k : w, valid);
-    }
+    load_tile<T, C::kBN, kStepK>(tile_b(step), w + n0 * a.ld_w, a.ld_w, a.n - n0, step, a.k);
   };
   const auto load_a = [&](int step) {
-    T* dst = tile_a(step);
-    const std::int64_t k0 = std::int64_t{step} * kStepK;
-#pragma unroll
-    for (int i = tid; i < C::kRowsA * C::kChunks; i += kFewWarps * 32) {
-      const int row = i / C::kChunks, chunk = i % C::kChunks;
-      const std::int64_t k = k0 + chunk * 8;
-      const bool valid = row < a.m && k < a.k;
-      cp_async_16_or_zero(dst + swizzled<kStepK>(row, chunk), valid ? xn + row * a.ld_xn + k : xn, valid);
-    }
+    load_tile<T, C::kRowsA, kStepK>(tile_a(step), xn, a.ld_xn, a.m, step, a.k);
   };
 
   // Weights first (one group per step), then the normalised rows once the LayerNorm is done.
@@ -437,11 +431,11 @@ __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs
   }
 }
 
-// Whether the few-rows kernel takes the product (see the top of the file).
+// Whether the few-rows kernel takes a float16 or bfloat16 product (see the top of the file).
 template <typename T>
 bool few_rows_fits(const LayerNormLinearGeluParams& p) {
-  return !std::is_same_v<T, float> && p.m <= kFewRowsMax && p.w_stride_k == 1 && p.k % 8 == 0 &&
-         p.w_stride_n % 8 == 0 && is_aligned(p.weight, 16);
+  return p.m <= kFewRowsMax && p.w_stride_k == 1 && p.k % 8 == 0 && p.w_stride_n % 8 == 0 &&
+         is_aligned(p.weight, 16);
 }
 
 template <typename T, int kMTiles, int kWarpsN, int kStepK = kFewStepK>
@@ -449,15 +443,8 @@ void launch_few_rows(const FewRowsArgs& a, int device, cudaStream_t stream) {
   using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
   const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN, kStepK>;
   static std::atomic<bool> allowed[kMaxDevices];
-  if (device >= kMaxDevices || !allowed[device].load(std::memory_order_acquire)) {
-    FUSEKIT_CHECK(C::kSharedBytes <= static_cast<std::size_t>(max_shared_memory_per_block(device)),
-                  kOp, ": the kernel for M <= ", C::kRowsA, " needs ", C::kSharedBytes,
-                  " bytes of shared memory per block, device ", device, " offers ",
-                  max_shared_memory_per_block(device));
-    FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(C::kSharedBytes)));
-    if (device < kMaxDevices) allowed[device].store(true, std::memory_order_release);
-  }
+  allow_shared_memory(kernel, C::kSharedBytes, device, allowed, false,
+                      [] { return concat(kOp, ": the kernel for M <= ", C::kRowsA); });
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(ceil_div(a.n, C::kBN)));
   config.blockDim = dim3(kFewWarps * 32);
