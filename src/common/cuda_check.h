@@ -35,6 +35,9 @@ inline constexpr int kMaxDevices = 64;
 /// Multiprocessor count and compute capability (major) of `device`, read once per device.
 int multiprocessor_count(int device);
 int compute_capability_major(int device);
+/// Whether kernels using warpgroup MMAs (wgmma) run on `device`: compute capability 9.0 and a
+/// library built for sm_90a.
+bool has_warpgroup_mma(int device);
 /// Shared memory of `device` in bytes, read once per device: the most one block may opt in to,
 /// and all of one multiprocessor's.
 int max_shared_memory_per_block(int device);

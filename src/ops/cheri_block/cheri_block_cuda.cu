@@ -29,6 +29,7 @@
 // Determinism: no atomics; every reduction has a fixed shape-determined order; cuBLASLt runs the
 // heuristic's first algorithm without split-K reductions.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -38,6 +39,7 @@
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
 #include "common/cuda_mma.cuh"
+#include "common/cuda_wgmma.cuh"
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
@@ -572,6 +574,10 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
 }
 
 constexpr int kRowTile = 128;    // rows of (n, l) per tile of the fused kernel: 16 per warp
+// Elements from one row of a shared x tile to the next: 8 of padding, so that the 8-byte (float32)
+// or 4-byte (half) pair loads of a warp's fragment rows fall on distinct banks.
+template <int kC>
+constexpr int kXTileLd = kC + 8;
 constexpr int kHiddenStep = 16;  // hidden columns per GEMM1 -> GELU -> GEMM2 step of one warp
 // E C of the fused kernel: whole steps, and 16-byte ldmatrix rows on distinct banks (any multiple
 // of 16 would do; multiples of 64 are what the tests cover).
@@ -580,7 +586,7 @@ constexpr int kFusedHiddenMultiple = 64;
 template <typename T, int kC>
 std::size_t fused_smem_bytes(std::int64_t hidden) {
   const auto h = static_cast<std::size_t>(hidden);
-  return kRowTile * (kC + kVec16<T>) * sizeof(T)  // x tile, rows padded by 16 bytes
+  return kRowTile * kXTileLd<kC> * sizeof(T)  // x tile
          + h * (kC + kPad) * sizeof(__half)       // linear1 [E C, C]
          + kC * (h + kPad) * sizeof(__half)       // linear2 [C, E C]
          + 3 * kC * sizeof(float);                // taps
@@ -608,6 +614,87 @@ __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
 
+/// A row (n, l) of the [N L] rows of the plane.
+struct PlaneRow {
+  std::int64_t n, l;
+};
+
+/// The row r after `first` (r >= 0); one comparison when first.l + r < L.
+__device__ __forceinline__ PlaneRow plane_row(PlaneRow first, std::int64_t r, std::int64_t len) {
+  PlaneRow at{first.n, first.l + r};
+  while (at.l >= len) {
+    at.l -= len;
+    ++at.n;
+  }
+  return at;
+}
+
+/// The A fragments [16, C] (float16) of conv + norm for rows r0 + g and r0 + g + 8 of a tile of
+/// kTileRows rows of (n, l) starting at row `first`, lane (g, q) holding columns
+/// 16 ks + 8 j + 2 q + {0, 1} (the m16n8k16 A layout); x of the tile is in `xs` (rows kC + 16
+/// apart), taps outside the tile come from global memory. keep(nt, h2, x pair) receives x
+/// at the positions of the n8 accumulator tile nt, row half h2.
+template <typename T, int kC, int kTileRows, typename Keep>
+__device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16][4], const T* xs,
+                                                    int r0, PlaneRow first,
+                                                    const CheriBlockParams& p, const float* cw,
+                                                    const float* mean, const float* rstd,
+                                                    Keep&& keep) {
+  using Pair = typename PairOf<T>::type;
+  constexpr int kLdX = kXTileLd<kC>;
+  const int lane = threadIdx.x % kWarpSize, g = lane / 4, q = lane % 4;
+  const std::int64_t d = p.dilation, len = p.l;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int r = r0 + g + 8 * h2;
+    const PlaneRow at = plane_row(first, r, len);
+    const bool live = at.n < p.n;
+    const std::int64_t n = live ? at.n : 0, l = live ? at.l : 0;
+    const bool has_left = live && l >= d, has_right = live && l + d < len;
+    const T* mid = xs + r * kLdX;
+    // a tap inside the tile comes from shared memory, else from global; a missing one reads
+    // the row itself and counts as zero
+    const T* left = !has_left ? mid : (r >= d ? mid - d * kLdX : row_of<T>(p.x, n, l - d));
+    const T* right =
+        !has_right ? mid : (r + d < kTileRows ? mid + d * kLdX : row_of<T>(p.x, n, l + d));
+    const float m = live ? mean[n] : 0.0f, rs = live ? rstd[n] : 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kC / 16; ++ks) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = 16 * ks + 8 * j + 2 * q;
+        const Pair xm = *reinterpret_cast<const Pair*>(mid + c);
+        const float2 vl = to_float2(*reinterpret_cast<const Pair*>(left + c));
+        const float2 vr = to_float2(*reinterpret_cast<const Pair*>(right + c));
+        keep(2 * ks + j, h2, xm);
+        const float2 vm = to_float2(xm);
+        const float2 wl = *reinterpret_cast<const float2*>(cw + c);
+        const float2 wm = *reinterpret_cast<const float2*>(cw + kC + c);
+        const float2 wr = *reinterpret_cast<const float2*>(cw + 2 * kC + c);
+        float v0 = wm.x * vm.x, v1 = wm.y * vm.y;
+        if (has_left) {
+          v0 += wl.x * vl.x;
+          v1 += wl.y * vl.y;
+        }
+        if (has_right) {
+          v0 += wr.x * vr.x;
+          v1 += wr.y * vr.y;
+        }
+        af[ks][2 * j + h2] = live ? pack_half2((v0 - m) * rs, (v1 - m) * rs) : 0u;
+      }
+    }
+  }
+}
+
+/// GELU(h) of an m16n8 accumulator pair (columns 16 kk .. 16 kk + 15) as a k16 A fragment.
+__device__ __forceinline__ void gelu_fragment(std::uint32_t (&a)[4], const float* lo,
+                                              const float* hi) {
+  a[0] = pack_half2(gelu_tanh_fast(lo[0]), gelu_tanh_fast(lo[1]));
+  a[1] = pack_half2(gelu_tanh_fast(lo[2]), gelu_tanh_fast(lo[3]));
+  a[2] = pack_half2(gelu_tanh_fast(hi[0]), gelu_tanh_fast(hi[1]));
+  a[3] = pack_half2(gelu_tanh_fast(hi[2]), gelu_tanh_fast(hi[3]));
+}
+
 // Each warp owns 16 rows of a 128-row tile through both products, so that GELU(h) goes from
 // GEMM1's accumulators straight into GEMM2's A fragments (the m16n8 accumulator layout is the
 // m16k16 A layout) and no warp waits for another between them. Per tile: the x rows (arrived by
@@ -621,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 const float* w2, const float* mean, const float* rstd) {
   using Pair = typename PairOf<T>::type;
   constexpr int kV = kVec16<T>;
-  constexpr int kLdX = kC + kV;                     // x tile row: 16 bytes of padding
+  constexpr int kLdX = kXTileLd<kC>;
   constexpr int kLdW1 = kC + kPad;
   constexpr int kKSteps = kC / 16;                  // k16 steps of GEMM1
   constexpr int kNT = kC / 8;                       // n8 tiles of GEMM2
@@ -640,7 +727,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
   const int g = lane / 4, q = lane % 4;
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kRowTile);
-  const std::int64_t d = p.dilation, len = p.l;
+  const std::int64_t len = p.l;
 
 #pragma unroll 8
   for (int i = t; i < hidden * kC / 4; i += kThreads) {
@@ -687,50 +774,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_wait<0>();
     __syncthreads();  // this tile's x landed (every thread's copies)
 
-    // A fragments [16, C] float16 of the warp's rows, and x at the output fragment's positions:
-    // lane (g, q) holds rows g and g + 8, columns 16 ks + 8 j + 2 q + {0, 1}.
+    // A fragments [16, C] float16 of the warp's rows, and x at the output fragment's positions.
     std::uint32_t af[kKSteps][4];
     Pair xr[kNT][2];
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int r = 16 * warp + g + 8 * h2;
-      const std::int64_t f = tile * kRowTile + r;
-      const bool live = f < rows;
-      const std::int64_t n = live ? f / len : 0, l = live ? f % len : 0;
-      const bool has_left = live && l >= d, has_right = live && l + d < len;
-      const T* mid = xs + r * kLdX;
-      // a tap inside the tile comes from shared memory, else from global; a missing one reads
-      // the row itself and counts as zero
-      const T* left = !has_left ? mid : (r >= d ? mid - d * kLdX : row_of<T>(p.x, n, l - d));
-      const T* right =
-          !has_right ? mid : (r + d < kRowTile ? mid + d * kLdX : row_of<T>(p.x, n, l + d));
-      const float m = live ? mean[n] : 0.0f, rs = live ? rstd[n] : 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int c = 16 * ks + 8 * j + 2 * q;
-          const Pair xm = *reinterpret_cast<const Pair*>(mid + c);
-          const float2 vl = to_float2(*reinterpret_cast<const Pair*>(left + c));
-          const float2 vr = to_float2(*reinterpret_cast<const Pair*>(right + c));
-          xr[2 * ks + j][h2] = xm;
-          const float2 vm = to_float2(xm);
-          const float2 wl = *reinterpret_cast<const float2*>(cw + c);
-          const float2 wm = *reinterpret_cast<const float2*>(cw + kC + c);
-          const float2 wr = *reinterpret_cast<const float2*>(cw + 2 * kC + c);
-          float v0 = wm.x * vm.x, v1 = wm.y * vm.y;
-          if (has_left) {
-            v0 += wl.x * vl.x;
-            v1 += wl.y * vl.y;
-          }
-          if (has_right) {
-            v0 += wr.x * vr.x;
-            v1 += wr.y * vr.y;
-          }
-          af[ks][2 * j + h2] = live ? pack_half2((v0 - m) * rs, (v1 - m) * rs) : 0u;
-        }
-      }
-    }
+    const std::int64_t first = tile * kRowTile;
+    conv_norm_fragments<T, kC, kRowTile>(af, xs, 16 * warp, {first / len, first % len}, p, cw,
+                                         mean, rstd,
+                                         [&](int nt, int h2, Pair xm) { xr[nt][h2] = xm; });
     __syncthreads();  // every warp is done with xs
     if (tile + gridDim.x < tiles) issue_x(tile + gridDim.x);
 
@@ -752,14 +802,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // GELU(h) as GEMM2's A fragments [16, kHiddenStep] (kSteps k16 steps).
       std::uint32_t ag[kSteps][4];
 #pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float* lo = acc1[2 * kk + half];
-          ag[kk][2 * half] = pack_half2(gelu_tanh_fast(lo[0]), gelu_tanh_fast(lo[1]));
-          ag[kk][2 * half + 1] = pack_half2(gelu_tanh_fast(lo[2]), gelu_tanh_fast(lo[3]));
-        }
-      }
+      for (int kk = 0; kk < kSteps; ++kk) gelu_fragment(ag[kk], acc1[2 * kk], acc1[2 * kk + 1]);
 #pragma unroll
       for (int kk = 0; kk < kSteps; ++kk) {
 #pragma unroll
@@ -783,6 +826,179 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float2 x = to_float2(xr[nt][h2]);
         store_pair<T>(dst + 8 * nt + 2 * q, x.x + p.residual_scale * acc2[nt][2 * h2],
                       x.y + p.residual_scale * acc2[nt][2 * h2 + 1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// The same block on warpgroup MMAs (sm_90a). Each of the two warpgroups walks its own tiles of 64
+// rows of (n, l) (its x tile arriving by cp.async while the previous tile's products run) and
+// synchronises only its own 128 threads. Per tile: conv + norm into float16 A fragments in
+// registers (as above), then per 64 hidden columns one wgmma chain h = A linear1^T [64, 64]
+// (B from shared memory), GELU in float32 into the A fragments of GEMM2, and out += GELU(h)
+// linear2^T [64, C] issued asynchronously, so that it overlaps the next chunk's GEMM1. The residual
+// x is read again (from L2) in the epilogue. Weights live in shared memory as float16 in the
+// 128-byte-swizzled K-major layout of cuda_wgmma.cuh.
+constexpr int kWgRows = 64;     // rows of (n, l) per warpgroup tile
+constexpr int kWgHidden = 64;   // hidden columns per GEMM1 -> GELU -> GEMM2 step
+constexpr int kWgThreads = 128;
+
+template <typename T, int kC>
+std::size_t wgmma_smem_bytes(std::int64_t hidden) {
+  const auto h = static_cast<std::size_t>(hidden);
+  return 1024                                                    // room to align to 1024 bytes
+         + 2 * h * kC * sizeof(__half)                           // linear1, linear2
+         + 2 * kWgRows * kXTileLd<kC> * sizeof(T)                // x tile of each warpgroup
+         + 3 * kC * sizeof(float);                               // taps
+}
+
+/// Rows [r0, r0 + rows) of a dense float32 matrix with `cols` columns (a multiple of 64) into
+/// `dst` as float16 blocks of 64 columns, 128-byte swizzled, `block_rows` rows per block.
+__device__ __forceinline__ void stage_swizzled(const float* src, int rows, int cols,
+                                               int block_rows, unsigned char* dst) {
+  for (int i = threadIdx.x; i < rows * cols / 8; i += blockDim.x) {
+    const int e = 8 * i, r = e / cols, k = e % cols;
+    const float4 a = __ldg(reinterpret_cast<const float4*>(src + e));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(src + e) + 1);
+    *reinterpret_cast<uint4*>(dst + static_cast<std::size_t>(k / 64) * block_rows * 128 +
+                              swizzled_offset(r, k % 64)) =
+        make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
+                   pack_half2(b.z, b.w));
+  }
+}
+
+template <typename T, int kC>
+__global__ void __launch_bounds__(kThreads, 1)
+    cheri_inference_wgmma_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
+                                 const float* w2, const float* mean, const float* rstd) {
+  using Pair = typename PairOf<T>::type;
+  constexpr int kV = kVec16<T>;
+  constexpr int kLdX = kXTileLd<kC>;
+  constexpr int kKSteps = kC / 16;
+  constexpr int kGroups = kC / kV;                     // 16-byte pieces per row
+  constexpr int kRowsPerPass = kWgThreads / kGroups;   // rows one pass of a warpgroup copies
+  static_assert(kWgThreads % kGroups == 0 && kWgRows % kRowsPerPass == 0, "whole rows per pass");
+  static_assert(kThreads == 2 * kWgThreads, "two warpgroups");
+  const int hidden = static_cast<int>(p.hidden);
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - shared_address(smem_raw) % 1024) % 1024);
+  unsigned char* w1s = smem;                                     // [C / 64][E C][64]
+  unsigned char* w2s = w1s + static_cast<std::size_t>(hidden) * kC * 2;  // [E C / 64][C][64]
+  T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
+  float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
+
+  stage_swizzled(w1, hidden, kC, hidden, w1s);
+  stage_swizzled(w2, kC, hidden, kC, w2s);
+  for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
+  fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
+  __syncthreads();
+
+  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
+  T* xs = xs_all + wg * kWgRows * kLdX;
+  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
+  const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
+  const auto sync_warpgroup = [&] {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "r"(kWgThreads) : "memory");
+  };
+  // The tile's rows into xs: thread t copies piece t % kGroups of rows t / kGroups + k
+  // kRowsPerPass.
+  const auto issue_x = [&](std::int64_t tile) {
+    const int r0 = t / kGroups, piece = t % kGroups;
+    const std::int64_t first = tile * kWgRows;
+    const PlaneRow start{first / len, first % len};
+    T* dst = xs + r0 * kLdX + piece * kV;
+    if (start.l + kWgRows <= len) {  // rows of one example: a pointer step per row
+      const T* src = row_of<T>(p.x, start.n, start.l + r0) + piece * kV;
+      const std::int64_t step = kRowsPerPass * p.x.stride[1];
+#pragma unroll
+      for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
+        cp_async_16(dst + u * kRowsPerPass * kLdX, src + u * step);
+      }
+    } else {
+#pragma unroll 1
+      for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
+        const PlaneRow at = plane_row(start, r0 + u * kRowsPerPass, len);
+        if (at.n < p.n) {
+          cp_async_16(dst + u * kRowsPerPass * kLdX, row_of<T>(p.x, at.n, at.l) + piece * kV);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
+  if (tile < tiles) issue_x(tile);
+  for (; tile < tiles; tile += stride) {
+    cp_async_wait<0>();
+    sync_warpgroup();  // this tile's x landed (every thread's copies)
+    const PlaneRow first{tile * kWgRows / len, tile * kWgRows % len};
+    std::uint32_t af[kKSteps][4];
+    conv_norm_fragments<T, kC, kWgRows>(af, xs, 16 * (t / kWarpSize), first, p, cw, mean, rstd,
+                                        [](int, int, Pair) {});
+    sync_warpgroup();  // every warp is done with xs
+    if (tile + stride < tiles) issue_x(tile + stride);
+
+    // The accumulators start here (zeroed, though the first MMA of each overwrites them), so that
+    // they hold no registers while the fragments above are built.
+    float acc2[kC / 2];  // out [64, C]
+#pragma unroll
+    for (float& v : acc2) v = 0.0f;
+    for (int hc = 0; hc < hidden; hc += kWgHidden) {
+      float acc1[kWgHidden / 2];  // h [64, 64] of this hidden chunk
+#pragma unroll
+      for (float& v : acc1) v = 0.0f;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        wgmma_f16_rs<kWgHidden>(
+            acc1, af[ks],
+            swizzled_descriptor(w1s + (ks / 4) * hidden * 128 + hc * 128 + (ks % 4) * 32),
+            ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // also the previous chunk's GEMM2, which read the fragments below
+      std::uint32_t ag[kWgHidden / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kWgHidden / 16; ++kk) {
+        gelu_fragment(ag[kk], acc1 + 8 * kk, acc1 + 8 * kk + 4);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgHidden / 16; ++kk) {
+        wgmma_f16_rs<kC>(acc2, ag[kk],
+                         swizzled_descriptor(w2s + (hc / 64) * kC * 128 + kk * 32),
+                         hc > 0 || kk > 0);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+
+    // out = x + residual_scale * acc2: lane (g, q) of warp w holds rows 16 w + g (+ 8), columns
+    // 8 j + 2 q + {0, 1} in acc2[4 j + 2 h2 + {0, 1}]. The residual x (an L2 hit: the tile was
+    // just copied in) is loaded whole before any store, so that its loads overlap; interleaved
+    // with the stores, which the compiler may not move them past, each would wait for L2 alone.
+    const PlaneRow at0 = plane_row(first, 16 * (t / kWarpSize) + g, len);
+    const PlaneRow at1 = plane_row(at0, 8, len);
+    const T* x0 = at0.n < p.n ? row_of<T>(p.x, at0.n, at0.l) : nullptr;
+    const T* x1 = at1.n < p.n ? row_of<T>(p.x, at1.n, at1.l) : nullptr;
+    Pair xr[kC / 8][2];
+#pragma unroll
+    for (int j = 0; j < kC / 8; ++j) {
+      if (x0 != nullptr) xr[j][0] = *reinterpret_cast<const Pair*>(x0 + 8 * j + 2 * q);
+      if (x1 != nullptr) xr[j][1] = *reinterpret_cast<const Pair*>(x1 + 8 * j + 2 * q);
+    }
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const PlaneRow at = h2 == 0 ? at0 : at1;
+      if (at.n >= p.n) continue;
+      T* dst = out_row_of<T>(p.out, at.n, at.l);
+#pragma unroll
+      for (int j = 0; j < kC / 8; ++j) {
+        const float2 v = to_float2(xr[j][h2]);
+        store_pair<T>(dst + 8 * j + 2 * q, v.x + p.residual_scale * acc2[4 * j + 2 * h2],
+                      v.y + p.residual_scale * acc2[4 * j + 2 * h2 + 1]);
       }
     }
   }
@@ -1136,6 +1352,27 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   conv_norm_backward<T, float>(p, conv_w, dense(dy, p), true, device, stream);
 }
 
+/// Whether the warpgroup-MMA inference kernel for C = kC takes this call (and its rows are
+/// aligned, which fused_fits checks).
+template <typename T, int kC>
+bool wgmma_fits(const CheriBlockParams& p, int device) {
+  return has_warpgroup_mma(device) && p.hidden % kWgHidden == 0 &&
+         wgmma_smem_bytes<T, kC>(p.hidden) <=
+             static_cast<std::size_t>(max_shared_memory_per_block(device));
+}
+
+/// Whether a fused inference kernel for C = kC takes this call.
+template <typename T, int kC>
+bool fused_fits(const CheriBlockParams& p, int device) {
+  if (p.c != kC || !rows_aligned(p.x, p, sizeof(T)) || !rows_aligned(p.out, p, sizeof(T))) {
+    return false;
+  }
+  return wgmma_fits<T, kC>(p, device) ||
+         (p.hidden % kFusedHiddenMultiple == 0 &&
+          fused_smem_bytes<T, kC>(p.hidden) <=
+              static_cast<std::size_t>(max_shared_memory_per_block(device)));
+}
+
 template <typename T, int kC>
 void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const std::int64_t c = p.c, h = p.hidden;
@@ -1158,24 +1395,29 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   q.mean = {};
   q.rstd = {};
   plane_statistics<T>(q, conv_w, at<double>(ws, o_part), mean, rstd, stream);
-  const std::size_t smem = fused_smem_bytes<T, kC>(h);
-  const auto kernel = cheri_inference_kernel<T, kC>;
-  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-  const std::int64_t tiles = ceil_div(p.n * p.l, kRowTile);
-  const auto blocks =
-      static_cast<unsigned>(std::min<std::int64_t>(tiles, multiprocessor_count(device)));
-  kernel<<<blocks, kThreads, smem, stream>>>(q, conv_w, w1, w2, mean, rstd);
-  FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_kernel");
-}
-
-/// Whether the fused inference kernel for C = kC takes this call.
-template <typename T, int kC>
-bool fused_fits(const CheriBlockParams& p, int device) {
-  return p.c == kC && p.hidden % kFusedHiddenMultiple == 0 &&
-         fused_smem_bytes<T, kC>(p.hidden) <=
-             static_cast<std::size_t>(max_shared_memory_per_block(device)) &&
-         rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
+  // Each kernel may take all the shared memory a block can have (set once per device); the
+  // sizes, which follow E C, were checked against it by inference_fits.
+  const int max_smem = max_shared_memory_per_block(device);
+  const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
+  const auto describe = [&] { return concat(kOp, ": the fused inference kernel (C = ", c, ")"); };
+  if (wgmma_fits<T, kC>(p, device)) {
+    static std::atomic<bool> allowed[kMaxDevices];
+    const auto kernel = cheri_inference_wgmma_kernel<T, kC>;
+    allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
+    const auto blocks = static_cast<unsigned>(
+        std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
+    kernel<<<blocks, kThreads, wgmma_smem_bytes<T, kC>(h), stream>>>(q, conv_w, w1, w2, mean,
+                                                                      rstd);
+    FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_wgmma_kernel");
+  } else {
+    static std::atomic<bool> allowed[kMaxDevices];
+    const auto kernel = cheri_inference_kernel<T, kC>;
+    allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
+    const auto blocks = static_cast<unsigned>(std::min(ceil_div(rows, kRowTile), sms));
+    kernel<<<blocks, kThreads, fused_smem_bytes<T, kC>(h), stream>>>(q, conv_w, w1, w2, mean,
+                                                                     rstd);
+    FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_kernel");
+  }
 }
 
 }  // namespace
