@@ -283,27 +283,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// Per example: its partials merged in block order (double) -> mean and rstd, into the
-/// workspace [N] and, when given, the caller's outputs.
+/// Per example (a warp each): its partials merged (Chan, double) in a fixed order, lane i taking
+/// partials i, i + 32, ... and the lanes' moments then merged in a fixed tree -> mean and rstd, into
+/// the workspace [N] and, when given, the caller's outputs.
 __global__ void stats_finalize_kernel(const double* partial, std::int64_t n_examples,
                                       std::int64_t chunks, double eps, float* mean_ws,
                                       float* rstd_ws, const CheriStat mean_out,
                                       const CheriStat rstd_out) {
-  const std::int64_t n = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (n >= n_examples) return;
-  double count = 0, mean = 0, m2 = 0;
-  for (std::int64_t i = 0; i < chunks; ++i) {
+  const std::int64_t n =
+      (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  if (n >= n_examples) return;  // the whole warp
+  Moments m{0.0, 0.0, 0.0};
+  for (std::int64_t i = lane; i < chunks; i += kWarpSize) {
     const double* part = partial + 3 * (n * chunks + i);
-    const double cb = part[0], mb = part[1], qb = part[2];
-    const double total = count + cb;
-    if (total == 0) continue;
-    const double delta = mb - mean;
-    mean += delta * cb / total;
-    m2 += qb + delta * delta * count * cb / total;
-    count = total;
+    m = merge(m, {part[0], part[1], part[2]});
   }
-  const float mean_f = static_cast<float>(mean);
-  const float rstd_f = static_cast<float>(1.0 / sqrt(m2 / count + eps));
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const Moments other{__shfl_down_sync(0xffffffffu, m.count, offset),
+                        __shfl_down_sync(0xffffffffu, m.mean, offset),
+                        __shfl_down_sync(0xffffffffu, m.m2, offset)};
+    m = merge(m, other);
+  }
+  if (lane != 0) return;
+  const float mean_f = static_cast<float>(m.mean);
+  const float rstd_f = static_cast<float>(1.0 / sqrt(m.m2 / m.count + eps));
   mean_ws[n] = mean_f;
   rstd_ws[n] = rstd_f;
   if (mean_out.data) mean_out.data[n * mean_out.stride] = mean_f;
@@ -1062,6 +1067,18 @@ void pack(const CheriMatrix& m, std::int64_t rows, std::int64_t cols, float* dst
   FUSEKIT_CUDA_CHECK_LAUNCH("pack_matrix_kernel");
 }
 
+/// `m` [rows, cols] as a dense row-major float32 matrix: `m` itself where it is one (16-byte
+/// aligned), else packed into `dst`.
+const float* dense_float32(const CheriMatrix& m, std::int64_t rows, std::int64_t cols, float* dst,
+                           int device, cudaStream_t stream) {
+  if (m.dtype == DType::Float32 && m.stride[1] == 1 && (m.stride[0] == cols || rows == 1) &&
+      is_aligned(m.data, 16)) {
+    return static_cast<const float*>(m.data);
+  }
+  pack(m, rows, cols, dst, device, stream);
+  return dst;
+}
+
 void sum_partials(const float* part, std::int64_t count, std::int64_t width,
                   const CheriMatrix& dst, std::int64_t cols, cudaStream_t stream) {
   const auto blocks = static_cast<unsigned>(ceil_div(width, 32));
@@ -1090,7 +1107,9 @@ void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* pa
         <<<blocks, kThreads, 0, stream>>>(p, conv_w, g.rows, g.chunks, partial);
     FUSEKIT_CUDA_CHECK_LAUNCH("plane_stats_kernel");
   });
-  stats_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0, stream>>>(
+  constexpr int kFinalizeThreads = 128;  // 4 examples a block
+  stats_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
+                          kFinalizeThreads, 0, stream>>>(
       partial, p.n, g.chunks, p.eps, mean_ws, rstd_ws, p.mean, p.rstd);
   FUSEKIT_CUDA_CHECK_LAUNCH("stats_finalize_kernel");
 }
@@ -1383,14 +1402,11 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
                     o_part = carve.take(doubles(3 * p.n * g.chunks)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
   const StreamWorkspace ws(carve.total(), stream);
-  float* conv_w = at<float>(ws, o_conv);
-  float* w1 = at<float>(ws, o_w1);
-  float* w2 = at<float>(ws, o_w2);
+  const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
+  const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
+  const float* w2 = dense_float32(p.linear2, c, h, at<float>(ws, o_w2), device, stream);
   float* mean = at<float>(ws, o_mean);
   float* rstd = at<float>(ws, o_rstd);
-  pack(p.conv_weight, 3, c, conv_w, device, stream);
-  pack(p.linear1, h, c, w1, device, stream);
-  pack(p.linear2, c, h, w2, device, stream);
   CheriBlockParams q = p;
   q.mean = {};
   q.rstd = {};
