@@ -40,6 +40,13 @@ __device__ __forceinline__ std::uint64_t swizzled_descriptor(const void* smem) {
          | (std::uint64_t{1} << 62);   // 128-byte swizzle
 }
 
+/// `descriptor` moved on by `bytes` (a multiple of 16): the start address is its low field, and
+/// shared-memory addresses never carry out of it.
+__device__ __forceinline__ std::uint64_t advance_descriptor(std::uint64_t descriptor,
+                                                            std::uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
 /// Orders earlier register accesses before the warpgroup MMAs that follow.
 __device__ __forceinline__ void wgmma_fence() {
 #ifdef FUSEKIT_WGMMA

@@ -158,6 +158,16 @@ __device__ __forceinline__ float gelu_tanh_fast(float h) {
   return h - __fdividef(h, 1.0f + __expf(2.0f * u));
 }
 
+/// The same function through the hardware tanh (tanh.approx, relative error about 2^-11, the
+/// rounding of the float16 it is stored in next).
+__device__ __forceinline__ float gelu_tanh_approx(float h) {
+  const float u = h * (kGeluScale + kGeluScale * kGeluCubic * h * h);
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+  const float half_h = 0.5f * h;
+  return fmaf(half_h, t, half_h);
+}
+
 /// conv[n, l, c0 .. c0 + V) from x and the taps w [3, C] float32 (x is zero outside 0..L-1).
 template <typename T, int V>
 __device__ __forceinline__ void conv_at(const CheriBlockParams& p, const float* w, std::int64_t n,
@@ -284,8 +294,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 /// Per example (a warp each): its partials merged (Chan, double) in a fixed order, lane i taking
-/// partials i, i + 32, ... and the lanes' moments then merged in a fixed tree -> mean and rstd, into
-/// the workspace [N] and, when given, the caller's outputs.
+/// partials i, i + 32, ... and the lanes' moments then merged in a fixed tree -> mean and rstd,
+/// into the workspace [N] and, when given, the caller's outputs.
 __global__ void stats_finalize_kernel(const double* partial, std::int64_t n_examples,
                                       std::int64_t chunks, double eps, float* mean_ws,
                                       float* rstd_ws, const CheriStat mean_out,
@@ -692,12 +702,14 @@ __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16]
 }
 
 /// GELU(h) of an m16n8 accumulator pair (columns 16 kk .. 16 kk + 15) as a k16 A fragment.
+template <bool kApprox = false>
 __device__ __forceinline__ void gelu_fragment(std::uint32_t (&a)[4], const float* lo,
                                               const float* hi) {
-  a[0] = pack_half2(gelu_tanh_fast(lo[0]), gelu_tanh_fast(lo[1]));
-  a[1] = pack_half2(gelu_tanh_fast(lo[2]), gelu_tanh_fast(lo[3]));
-  a[2] = pack_half2(gelu_tanh_fast(hi[0]), gelu_tanh_fast(hi[1]));
-  a[3] = pack_half2(gelu_tanh_fast(hi[2]), gelu_tanh_fast(hi[3]));
+  const auto gelu = [](float h) { return kApprox ? gelu_tanh_approx(h) : gelu_tanh_fast(h); };
+  a[0] = pack_half2(gelu(lo[0]), gelu(lo[1]));
+  a[1] = pack_half2(gelu(lo[2]), gelu(lo[3]));
+  a[2] = pack_half2(gelu(hi[0]), gelu(hi[1]));
+  a[3] = pack_half2(gelu(hi[2]), gelu(hi[3]));
 }
 
 // Each warp owns 16 rows of a 128-row tile through both products, so that GELU(h) goes from
@@ -902,6 +914,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
   const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
   T* xs = xs_all + wg * kWgRows * kLdX;
+  const std::uint64_t w1_desc = swizzled_descriptor(w1s), w2_desc = swizzled_descriptor(w2s);
+  const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
   const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
   const auto sync_warpgroup = [&] {
@@ -957,23 +971,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        wgmma_f16_rs<kWgHidden>(
-            acc1, af[ks],
-            swizzled_descriptor(w1s + (ks / 4) * hidden * 128 + hc * 128 + (ks % 4) * 32),
-            ks > 0);
+        const std::uint32_t offset = (ks / 4) * w1_block + hc * 128 + (ks % 4) * 32;
+        wgmma_f16_rs<kWgHidden>(acc1, af[ks], advance_descriptor(w1_desc, offset), ks > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();  // also the previous chunk's GEMM2, which read the fragments below
       std::uint32_t ag[kWgHidden / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kWgHidden / 16; ++kk) {
-        gelu_fragment(ag[kk], acc1 + 8 * kk, acc1 + 8 * kk + 4);
+        gelu_fragment<true>(ag[kk], acc1 + 8 * kk, acc1 + 8 * kk + 4);
       }
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kWgHidden / 16; ++kk) {
-        wgmma_f16_rs<kC>(acc2, ag[kk],
-                         swizzled_descriptor(w2s + (hc / 64) * kC * 128 + kk * 32),
+        wgmma_f16_rs<kC>(acc2, ag[kk], advance_descriptor(w2_desc, hc * kC * 2 + kk * 32),
                          hc > 0 || kk > 0);
       }
       wgmma_commit();
