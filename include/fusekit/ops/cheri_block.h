@@ -29,7 +29,8 @@
 // values, its backward about (3 C + 2 E C) N L float32 values plus one [E C, C] float32 partial per
 // 4096 rows for each linear weight gradient. The inference forward on CUDA runs its products on
 // float16 operands with float32 accumulation where C is 64 or 128 (E C a multiple of 64, rows of
-// x and out 16-byte aligned); other shapes take the training forward's products.
+// x and out 16-byte aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a;
+// other shapes take the training forward's products.
 // Aliasing: no output may overlap an input or another output (checked).
 // Stream: CUDA work is enqueued on `stream` without synchronising; calls can be captured in CUDA
 // graphs. On the CPU a call returns when its results are written.
