@@ -602,9 +602,9 @@ template <typename T, int kC>
 std::size_t fused_smem_bytes(std::int64_t hidden) {
   const auto h = static_cast<std::size_t>(hidden);
   return kRowTile * kXTileLd<kC> * sizeof(T)  // x tile
-         + h * (kC + kPad) * sizeof(__half)       // linear1 [E C, C]
-         + kC * (h + kPad) * sizeof(__half)       // linear2 [C, E C]
-         + 3 * kC * sizeof(float);                // taps
+         + h * (kC + kPad) * sizeof(__half)   // linear1 [E C, C]
+         + kC * (h + kPad) * sizeof(__half)   // linear2 [C, E C]
+         + 3 * kC * sizeof(float);            // taps
 }
 
 /// Two consecutive elements of T in one access.
@@ -646,9 +646,9 @@ __device__ __forceinline__ PlaneRow plane_row(PlaneRow first, std::int64_t r, st
 
 /// The A fragments [16, C] (float16) of conv + norm for rows r0 + g and r0 + g + 8 of a tile of
 /// kTileRows rows of (n, l) starting at row `first`, lane (g, q) holding columns
-/// 16 ks + 8 j + 2 q + {0, 1} (the m16n8k16 A layout); x of the tile is in `xs` (rows kC + 16
-/// apart), taps outside the tile come from global memory. keep(nt, h2, x pair) receives x
-/// at the positions of the n8 accumulator tile nt, row half h2.
+/// 16 ks + 8 j + 2 q + {0, 1} (the m16n8k16 A layout); x of the tile is in `xs` (rows
+/// kXTileLd<kC> elements apart), taps outside the tile come from global memory. keep(nt, h2,
+/// x pair) receives x at the positions of the n8 accumulator tile nt, row half h2.
 template <typename T, int kC, int kTileRows, typename Keep>
 __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16][4], const T* xs,
                                                     int r0, PlaneRow first,
@@ -854,9 +854,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // synchronises only its own 128 threads. Per tile: conv + norm into float16 A fragments in
 // registers (as above), then per 64 hidden columns one wgmma chain h = A linear1^T [64, 64]
 // (B from shared memory), GELU in float32 into the A fragments of GEMM2, and out += GELU(h)
-// linear2^T [64, C] issued asynchronously, so that it overlaps the next chunk's GEMM1. The residual
-// x is read again (from L2) in the epilogue. Weights live in shared memory as float16 in the
-// 128-byte-swizzled K-major layout of cuda_wgmma.cuh.
+// linear2^T [64, C]. GEMM2 is committed without a wait, but ptxas waits for it before the next
+// chunk, so a warpgroup's products do not overlap each other; the other warpgroup fills the gaps.
+// The residual x is read again (from L2) in the epilogue. Weights live in shared memory as
+// float16 in the 128-byte-swizzled K-major layout of cuda_wgmma.cuh.
 constexpr int kWgRows = 64;     // rows of (n, l) per warpgroup tile
 constexpr int kWgHidden = 64;   // hidden columns per GEMM1 -> GELU -> GEMM2 step
 constexpr int kWgThreads = 128;
@@ -870,15 +871,15 @@ std::size_t wgmma_smem_bytes(std::int64_t hidden) {
          + 3 * kC * sizeof(float);                               // taps
 }
 
-/// Rows [r0, r0 + rows) of a dense float32 matrix with `cols` columns (a multiple of 64) into
-/// `dst` as float16 blocks of 64 columns, 128-byte swizzled, `block_rows` rows per block.
+/// A dense float32 matrix [rows, cols] (cols a multiple of 64, 16-byte aligned) into `dst` as
+/// float16 blocks [cols / 64][rows][64], 128-byte swizzled; the whole block of threads takes part.
 __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int cols,
-                                               int block_rows, unsigned char* dst) {
+                                               unsigned char* dst) {
   for (int i = threadIdx.x; i < rows * cols / 8; i += blockDim.x) {
     const int e = 8 * i, r = e / cols, k = e % cols;
     const float4 a = __ldg(reinterpret_cast<const float4*>(src + e));
     const float4 b = __ldg(reinterpret_cast<const float4*>(src + e) + 1);
-    *reinterpret_cast<uint4*>(dst + static_cast<std::size_t>(k / 64) * block_rows * 128 +
+    *reinterpret_cast<uint4*>(dst + static_cast<std::size_t>(k / 64) * rows * 128 +
                               swizzled_offset(r, k % 64)) =
         make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
                    pack_half2(b.z, b.w));
@@ -905,8 +906,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
   float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
 
-  stage_swizzled(w1, hidden, kC, hidden, w1s);
-  stage_swizzled(w2, kC, hidden, kC, w2s);
+  stage_swizzled(w1, hidden, kC, w1s);
+  stage_swizzled(w2, kC, hidden, w2s);
   for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
   fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
   __syncthreads();
@@ -1423,7 +1424,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   q.rstd = {};
   plane_statistics<T>(q, conv_w, at<double>(ws, o_part), mean, rstd, stream);
   // Each kernel may take all the shared memory a block can have (set once per device); the
-  // sizes, which follow E C, were checked against it by inference_fits.
+  // sizes, which follow E C, were checked against it by fused_fits and wgmma_fits.
   const int max_smem = max_shared_memory_per_block(device);
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto describe = [&] { return concat(kOp, ": the fused inference kernel (C = ", c, ")"); };
