@@ -1,17 +1,25 @@
-// sm_90 bulk copies (the TMA engine without a tensor map) from global to shared memory, completing
-// on an mbarrier. Call only from code compiled for __CUDA_ARCH__ >= 900. Addresses and sizes must
-// be multiples of 16 bytes.
+// sm_90 bulk copies (the TMA engine) from global to shared memory, completing on an mbarrier:
+// plain byte ranges, and tiles of a tensor map. Call only from code compiled for
+// __CUDA_ARCH__ >= 900. Addresses and sizes of plain copies must be multiples of 16 bytes.
 #pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only: nothing here calls the driver)
 
 #include <cstdint>
 
+#include "common/cuda_mma.cuh"  // shared_address
+
 namespace fusekit::detail {
 
+/// Orders this thread's earlier ordinary shared-memory accesses before later accesses of the
+/// async proxy (bulk copies, warpgroup MMAs); a barrier must follow before those run.
+__device__ __forceinline__ void fence_proxy_async_shared() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-
-__device__ __forceinline__ std::uint32_t shared_address(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 
 /// Initialises `bar` to complete after `arrivals` arrivals (plus the expected transaction bytes).
 __device__ __forceinline__ void mbarrier_init(std::uint64_t* bar, std::uint32_t arrivals) {
@@ -43,11 +51,6 @@ __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t 
       : "memory");
 }
 
-/// Orders this thread's earlier ordinary shared-memory accesses before later bulk copies.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 /// Copies `bytes` from global `src` to shared `dst`; completion is counted on `bar`.
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, std::uint32_t bytes,
                                                     std::uint64_t* bar) {
@@ -56,6 +59,28 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
           shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar))
       : "memory");
+}
+
+/// Arrives on `bar` (an ordinary arrival, no bytes).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+}
+
+/// Copies the box of `map` at (`inner`, `outer`) (elements of the contiguous axis, rows) to
+/// shared `dst`, laid out and swizzled as the map says; completion is counted on `bar`. Parts of
+/// the box outside the tensor arrive as zeros and still count their bytes.
+__device__ __forceinline__ void tensor_copy_2d_to_shared(void* dst, const CUtensorMap* map, int inner,
+                                                         int outer, std::uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(bar))
+      : "memory");
+}
+
+/// Fetches `map` (a __grid_constant__ kernel parameter) into the copy engine's cache ahead of use.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }
 
 #endif

@@ -1,12 +1,14 @@
-// Warpgroup tensor-core building blocks (sm_90a): wgmma with A in registers and B in shared
-// memory, float16 operands, float32 accumulation. Call only from kernels a launcher runs where
-// has_warpgroup_mma(device) holds; compiled for any other target the MMA traps.
+// Warpgroup tensor-core building blocks (sm_90a): wgmma with both operands in shared memory
+// (float16 or bfloat16) or with A in registers (float16), float32 accumulation. Call only from
+// kernels a launcher runs where has_warpgroup_mma(device) holds; compiled for any other target
+// the MMA traps.
 //
-// Shared-memory operands (PTX ISA, "Matrix Descriptor Format"): B [K, N] is stored K-major, as
-// rows of N, each holding 64 consecutive k (128 bytes), in 128-byte-swizzled atoms of 8 rows
-// (1024 bytes, 1024-byte aligned): the 16-byte piece j of row r lies at piece j ^ (r % 8). K
-// beyond 64 continues in a further block of N rows. One k16 step of such a block starts 32 bytes
-// further on.
+// Shared-memory operands (PTX ISA, "Matrix Descriptor Format"): A [M, K] and B [K, N] are stored
+// K-major, as rows of M (or N), each holding 64 consecutive k (128 bytes), in 128-byte-swizzled
+// atoms of 8 rows (1024 bytes, 1024-byte aligned): the 16-byte piece j of row r lies at piece
+// j ^ (r % 8), which is how the copy engine writes a box of a tensor map with 128-byte swizzle
+// (see tensor_map.h). K beyond 64 continues in a further block of rows. One k16 step of such a
+// block starts 32 bytes further on.
 //
 // Register fragments: warp w of the warpgroup owns rows 16 w .. 16 w + 15 of the 64-row tile;
 // within a warp A and the accumulators have the layouts of mma.m16n8k16 (see cuda_mma.cuh), the
@@ -14,7 +16,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "common/bulk_copy.cuh"  // fence_proxy_async_shared
 #include "common/cuda_mma.cuh"
 
 namespace fusekit::detail {
@@ -66,64 +70,81 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
-/// Makes this thread's ordinary shared-memory stores visible to the tensor cores (and the copy
-/// engine); a barrier must follow before they read.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
+// The accumulators of one MMA as asm operands (d[o] .. d[o + 7] and so on), and their names
+// in the instruction text.
+#define FUSEKIT_WGMMA_ACC8(d, o)                                                               \
+  "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
+      "+f"(d[o + 6]), "+f"(d[o + 7])
+#define FUSEKIT_WGMMA_ACC16(d, o) FUSEKIT_WGMMA_ACC8(d, o), FUSEKIT_WGMMA_ACC8(d, o + 8)
+#define FUSEKIT_WGMMA_ACC32(d, o) FUSEKIT_WGMMA_ACC16(d, o), FUSEKIT_WGMMA_ACC16(d, o + 16)
+#define FUSEKIT_WGMMA_ACC64(d, o) FUSEKIT_WGMMA_ACC32(d, o), FUSEKIT_WGMMA_ACC32(d, o + 32)
+#define FUSEKIT_WGMMA_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define FUSEKIT_WGMMA_REGS16 FUSEKIT_WGMMA_REGS8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define FUSEKIT_WGMMA_REGS32                                                                   \
+  FUSEKIT_WGMMA_REGS16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, "   \
+                       "%29, %30, %31"
+#define FUSEKIT_WGMMA_REGS64                                                                   \
+  FUSEKIT_WGMMA_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "   \
+                       "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "     \
+                       "%58, %59, %60, %61, %62, %63"
 
-/// d (+)= a [64, 16] b [16, N] for N = 64 or 128; `accumulate` false overwrites d.
-template <int N>
-__device__ __forceinline__ void wgmma_f16_rs(float (&d)[N / 2], const std::uint32_t (&a)[4],
-                                             std::uint64_t b, bool accumulate);
+// One wgmma.m64nNk16 with float32 accumulators: A from shared memory (SS: operands %R, %R+1 are
+// the two descriptors) or from four registers (RS: %R .. %R+3, then B's descriptor), the
+// accumulate predicate last. Both shared-memory operands K-major (no transpose).
+#define FUSEKIT_WGMMA_SS(N, NREGS, TYPE, A, B, P)                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                 \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "              \
+               "{" FUSEKIT_WGMMA_REGS##NREGS "}, %" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"         \
+               : FUSEKIT_WGMMA_ACC##NREGS(d, 0)                                                 \
+               : "l"(a), "l"(b), "r"(scale_d))
+#define FUSEKIT_WGMMA_RS(N, NREGS, TYPE, A0, A1, A2, A3, B, P)                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                  \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "               \
+               "{" FUSEKIT_WGMMA_REGS##NREGS "}, {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, "     \
+               "%" #B ", p, 1, 1, 0;\n}\n"                                                     \
+               : FUSEKIT_WGMMA_ACC##NREGS(d, 0)                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
-template <>
-__device__ __forceinline__ void wgmma_f16_rs<64>(float (&d)[32], const std::uint32_t (&a)[4],
-                                                 std::uint64_t b, bool accumulate) {
+/// d (+)= a [64, 16] b [16, N], both operands in shared memory (descriptors `a` and `b`), T
+/// __half or __nv_bfloat16, N = 16, 32, 64 or 128; `accumulate` false overwrites d.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std::uint64_t b,
+                                         bool accumulate) {
+  static_assert(N == 16 || N == 32 || N == 64 || N == 128);
 #ifdef FUSEKIT_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0), "r"(accumulate ? 1 : 0));
+  const int scale_d = accumulate ? 1 : 0;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 16) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(16, 8, "bf16", 8, 9, 10);
+    else FUSEKIT_WGMMA_SS(16, 8, "f16", 8, 9, 10);
+  } else if constexpr (N == 32) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(32, 16, "bf16", 16, 17, 18);
+    else FUSEKIT_WGMMA_SS(32, 16, "f16", 16, 17, 18);
+  } else if constexpr (N == 64) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(64, 32, "bf16", 32, 33, 34);
+    else FUSEKIT_WGMMA_SS(64, 32, "f16", 32, 33, 34);
+  } else {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(128, 64, "bf16", 64, 65, 66);
+    else FUSEKIT_WGMMA_SS(128, 64, "f16", 64, 65, 66);
+  }
 #else
   __trap();
 #endif
 }
 
-template <>
-__device__ __forceinline__ void wgmma_f16_rs<128>(float (&d)[64], const std::uint32_t (&a)[4],
-                                                  std::uint64_t b, bool accumulate) {
+/// d (+)= a [64, 16] b [16, N] for N = 64 or 128, float16 operands, A from registers (the
+/// mma.m16n8k16 A fragment of the thread's warp); `accumulate` false overwrites d.
+template <int N>
+__device__ __forceinline__ void wgmma_f16_rs(float (&d)[N / 2], const std::uint32_t (&a)[4],
+                                             std::uint64_t b, bool accumulate) {
+  static_assert(N == 64 || N == 128);
 #ifdef FUSEKIT_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(0), "r"(accumulate ? 1 : 0));
+  const int scale_d = accumulate ? 1 : 0;
+  if constexpr (N == 64) {
+    FUSEKIT_WGMMA_RS(64, 32, "f16", 32, 33, 34, 35, 36, 37);
+  } else {
+    FUSEKIT_WGMMA_RS(128, 64, "f16", 64, 65, 66, 67, 68, 69);
+  }
 #else
   __trap();
 #endif

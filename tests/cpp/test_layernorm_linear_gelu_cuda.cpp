@@ -9,8 +9,10 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "cuda_test_support.h"
 #include "layernorm_linear_gelu_support.h"
+#include "ops/layernorm_linear_gelu/layernorm_linear_gelu_params.h"
 
 namespace {
 
@@ -20,14 +22,30 @@ using fusekit::testing::download;
 constexpr Device kCpu = Device::cpu();
 constexpr Device kCuda = Device::cuda(0);
 constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
+using Product = fusekit::detail::LayerNormLinearGeluParams::Product;
+
+// The call with the CUDA backend's matrix product named instead of chosen.
+void run_lola_product(const LolaTensors& t, const LolaCase& c, LayerNormLinearGeluOptions options,
+                      Product product) {
+  options.approximate = c.approximate;
+  fusekit::detail::LayerNormLinearGeluParams p = fusekit::detail::layernorm_linear_gelu_params(
+      t.out.view, t.x.view, t.weight.view, t.bias.view, t.ln_weight.view, t.ln_bias.view, options);
+  p.product = product;
+  fusekit::detail::launch_layernorm_linear_gelu(p, 0, {});
+}
 
 // One CUDA call into a poisoned output, checked against float64, against the CPU backend on the
 // same inputs, and for writes outside the output's view.
 void check_cuda(const LolaCase& c, DType dtype, std::mt19937_64& rng, const LolaLayouts& layouts = {},
-                LayerNormLinearGeluOptions options = {}, DType ln_dtype = DType::Float32) {
+                LayerNormLinearGeluOptions options = {}, DType ln_dtype = DType::Float32,
+                Product product = Product::Auto) {
   const LolaInputs in = make_lola_inputs(c, dtype, rng, ln_dtype);
   const LolaTensors t = upload_lola(in, c, dtype, kCuda, layouts, ln_dtype);
-  run_lola(t, c, options);
+  if (product == Product::Auto) {
+    run_lola(t, c, options);
+  } else {
+    run_lola_product(t, c, options, product);
+  }
   expect_device_ok();
   const HostTensor got = download_lola(t, c);
   const Tolerance tol = lola_cuda_tolerance(dtype, options.allow_tf32);
@@ -100,6 +118,51 @@ INSTANTIATE_TEST_SUITE_P(Float16, LolaCudaBenchShapes,
                          ::testing::Values(LolaCase{{512}, 1024, 4096}, LolaCase{{16}, 4096, 16384}),
                          [](const auto& info) { return lola_case_name(info.param); });
 
+// ------------------------------------------------------------------------------------ products
+//
+// Each matrix product on calls it takes, whatever the automatic choice: cuBLASLt, the few-rows
+// kernel (at most 64 rows) and the warpgroup product (sm_90a builds on compute capability 9.0):
+// partial tiles of rows, columns and k, one row, K = 8, large means, both GELUs.
+
+const LolaCase kProductCases[] = {
+    {{2}, 8, 67},
+    {{16}, 4096, 2048},
+    {{17}, 200, 130, true, false, GeluApproximation::None},
+    {{48}, 8, 70},
+    {{1}, 256, 9001, true, true, GeluApproximation::None, 100.0, 1.0},
+    {{3, 21}, 72, 257},
+    {{65}, 64, 40},
+    {{129}, 136, 257, false, true, GeluApproximation::None},
+    {{300}, 1024, 130, true, false, GeluApproximation::Tanh, 100.0, 1.0},
+    {{1000}, 1000, 1000},
+};
+
+class LolaCudaProducts
+    : public CudaTest<::testing::TestWithParam<std::tuple<Product, DType, LolaCase>>> {};
+
+TEST_P(LolaCudaProducts, MatchesFloat64AndCpu) {
+  const auto [product, dtype, c] = GetParam();
+  if (product == Product::FewRows && rows_of(c) > 64) GTEST_SKIP() << "more than 64 rows";
+  if (product == Product::Warpgroup && !fusekit::detail::has_warpgroup_mma(0)) {
+    GTEST_SKIP() << "the warpgroup product needs an sm_90a build on a compute capability 9.0 device";
+  }
+  check_cuda(c, dtype, rng_, {}, {}, DType::Float32, product);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, LolaCudaProducts,
+    ::testing::Combine(::testing::Values(Product::Library, Product::FewRows, Product::Warpgroup),
+                       ::testing::Values(DType::BFloat16, DType::Float16),
+                       ::testing::ValuesIn(kProductCases)),
+    [](const auto& info) {
+      const Product product = std::get<0>(info.param);
+      const char* name = product == Product::Library   ? "library"
+                         : product == Product::FewRows ? "few_rows"
+                                                       : "warpgroup";
+      return std::string(name) + "_" + dtype_name(std::get<1>(info.param)) + "_" +
+             lola_case_name(std::get<2>(info.param));
+    });
+
 // ------------------------------------------------------------------------------------ layouts
 
 class LolaCudaLayouts : public CudaTest<::testing::TestWithParam<std::tuple<DType, LolaLayoutCase>>> {};
@@ -120,6 +183,20 @@ INSTANTIATE_TEST_SUITE_P(All, LolaCudaLayouts,
 // ------------------------------------------------------------------------------------ the rest
 
 class LolaCudaMisc : public CudaTest<> {};
+
+TEST_F(LolaCudaMisc, NamedProductThatDoesNotFitIsAnError) {
+  const LolaCase c{{4}, 12, 6};  // K not a multiple of 8
+  const LolaInputs in = make_lola_inputs(c, DType::Float16, rng_);
+  const LolaTensors t = upload_lola(in, c, DType::Float16, kCuda);
+  EXPECT_ERROR_CONTAINS("the few-rows product was asked for",
+                        [&] { run_lola_product(t, c, {}, Product::FewRows); });
+  EXPECT_ERROR_CONTAINS("the warpgroup product was asked for",
+                        [&] { run_lola_product(t, c, {}, Product::Warpgroup); });
+  const LolaInputs in32 = make_lola_inputs(c, DType::Float32, rng_);
+  const LolaTensors t32 = upload_lola(in32, c, DType::Float32, kCuda);
+  EXPECT_ERROR_CONTAINS("fusekit's own products take float16 and bfloat16 only",
+                        [&] { run_lola_product(t32, c, {}, Product::Warpgroup); });
+}
 
 TEST_F(LolaCudaMisc, LnParamsInTheInputDtype) {
   check_cuda({{6}, 48, 16, true, true}, DType::BFloat16, rng_, {}, {}, DType::BFloat16);
@@ -166,7 +243,8 @@ TEST_F(LolaCudaMisc, RunsOnTheGivenStream) {
 class LolaCudaGraph
     : public CudaTest<::testing::TestWithParam<std::tuple<GeluApproximation, std::int64_t>>> {};
 
-// 120 rows take cuBLASLt; 16 rows the few-rows kernel, launched as a dependent of the LayerNorm.
+// Both row counts take fusekit's own product where it runs (the warpgroup product on sm_90a, the
+// few-rows kernel and cuBLASLt elsewhere), launched as a dependent of the LayerNorm.
 TEST_P(LolaCudaGraph, CapturedCallReplays) {
   const auto [approximate, rows] = GetParam();
   LolaCase c{{3, rows / 3}, 768, 1000, true, true, approximate};

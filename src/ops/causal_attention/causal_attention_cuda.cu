@@ -354,10 +354,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-__device__ __forceinline__ void group_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads));
-}
-
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(const Args a) {
   using Mma = typename C::Policy;
@@ -432,7 +428,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
       if constexpr (C::kGroups == 1) {
         __syncthreads();
       } else {
-        group_barrier(1 + group, C::kGroupThreads);
+        named_barrier_sync(1 + group, C::kGroupThreads);
       }
       if (i + C::kStages - 1 < my_tiles) load_keys(i + C::kStages - 1);
       cp_async_commit();

@@ -919,9 +919,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
   const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
-  const auto sync_warpgroup = [&] {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + wg), "r"(kWgThreads) : "memory");
-  };
+  const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
   // The tile's rows into xs: thread t copies piece t % kGroups of rows t / kGroups + k
   // kRowsPerPass.
   const auto issue_x = [&](std::int64_t tile) {

@@ -1,7 +1,6 @@
 // layernorm_linear_gelu entry point: validate -> empty input returns -> pick backend -> launch.
 #include "fusekit/ops/layernorm_linear_gelu.h"
 
-
 #include "common/dispatch.h"
 #include "common/validate.h"
 #include "fusekit/error.h"
@@ -43,10 +42,14 @@ void check_ln_param(const char* arg, const TensorView& t, const TensorView& x, s
 
 }  // namespace
 
-void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const TensorView& weight,
-                           const TensorView& bias, const TensorView& ln_weight,
-                           const TensorView& ln_bias, const LayerNormLinearGeluOptions& options,
-                           Stream stream) {
+namespace detail {
+
+LayerNormLinearGeluParams layernorm_linear_gelu_params(const TensorView& out, const TensorView& x,
+                                                       const TensorView& weight,
+                                                       const TensorView& bias,
+                                                       const TensorView& ln_weight,
+                                                       const TensorView& ln_bias,
+                                                       const LayerNormLinearGeluOptions& options) {
   // ---- shapes
   FUSEKIT_CHECK(x.ndim >= 1, kOp, ": x has 0 dims, expected [..., K]");
   const int lead = x.ndim - 1;
@@ -96,7 +99,12 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   detail::check_outputs(kOp, {{"out", &out}},
                         {{"x", &x}, {"weight", &weight}, {"bias", &bias}, {"ln_weight", &ln_weight},
                          {"ln_bias", &ln_bias}});
-  if (m == 0 || nout == 0) return;
+  if (m == 0 || nout == 0) {  // nothing to compute (the layouts of empty tensors do not matter)
+    LayerNormLinearGeluParams empty;
+    empty.m = m;
+    empty.nout = nout;
+    return empty;
+  }
 
   const std::int64_t out_row_stride = collapsed_row_stride(out, lead, nout);
   FUSEKIT_CHECK((out.strides[lead] == 1 || nout == 1) && out_row_stride >= nout, kOp, ": out ",
@@ -156,10 +164,22 @@ void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const Ten
   p.eps = static_cast<float>(options.eps);
   p.approximate = options.approximate;
   p.allow_tf32 = options.allow_tf32;
+  p.device = x.device;
+  return p;
+}
 
+}  // namespace detail
+
+void layernorm_linear_gelu(const TensorView& out, const TensorView& x, const TensorView& weight,
+                           const TensorView& bias, const TensorView& ln_weight,
+                           const TensorView& ln_bias, const LayerNormLinearGeluOptions& options,
+                           Stream stream) {
+  const detail::LayerNormLinearGeluParams p =
+      detail::layernorm_linear_gelu_params(out, x, weight, bias, ln_weight, ln_bias, options);
+  if (p.m == 0 || p.nout == 0) return;
   detail::dispatch_device(
-      kOp, x.device, [&] { detail::layernorm_linear_gelu_cpu(p); },
-      [&] { detail::launch_layernorm_linear_gelu(p, x.device.index, stream); });
+      kOp, p.device, [&] { detail::layernorm_linear_gelu_cpu(p); },
+      [&] { detail::launch_layernorm_linear_gelu(p, p.device.index, stream); });
 }
 
 }  // namespace fusekit

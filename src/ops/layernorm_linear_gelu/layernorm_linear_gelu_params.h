@@ -11,6 +11,7 @@ namespace fusekit::detail {
 struct LayerNormLinearGeluParams {
   std::int64_t m = 0, k = 0, nout = 0;
   DType dtype = DType::Float32;  // of x, weight, bias and out
+  Device device = Device::cpu();  // of every tensor
 
   // x [..., K]: row r sits at the offset given by its leading-dims index (row-major order).
   const void* x = nullptr;
@@ -39,6 +40,10 @@ struct LayerNormLinearGeluParams {
   GeluApproximation approximate = GeluApproximation::Tanh;
   bool allow_tf32 = true;
 
+  // The CUDA backend's matrix product: its own choice (Auto), or one named for a benchmark or a
+  // test (an error where it does not fit the call).
+  enum class Product { Auto, Library, FewRows, Warpgroup } product = Product::Auto;
+
   /// Element offset of row r of x.
   std::int64_t x_row_offset(std::int64_t r) const {
     std::int64_t offset = 0;
@@ -50,6 +55,14 @@ struct LayerNormLinearGeluParams {
   }
 };
 
+/// Validates a call (as fusekit::layernorm_linear_gelu does) and describes it; m == 0 or
+/// nout == 0 means there is nothing to compute.
+LayerNormLinearGeluParams layernorm_linear_gelu_params(const TensorView& out, const TensorView& x,
+                                                       const TensorView& weight,
+                                                       const TensorView& bias,
+                                                       const TensorView& ln_weight,
+                                                       const TensorView& ln_bias,
+                                                       const LayerNormLinearGeluOptions& options);
 void layernorm_linear_gelu_cpu(const LayerNormLinearGeluParams& p);
 void launch_layernorm_linear_gelu(const LayerNormLinearGeluParams& p, int device, Stream stream);
 
