@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common import import_seed, load_fusekit, print_header, raised_note, timing_fields, write_json
-from timing import bench, copy_ceiling, gemm_ceiling, rel_err
+from timing import bench, copy_ceiling, gemm_ceiling, read_ceiling, rel_err
 
 SHAPES = [  # (M rows, K in, N out)
     (512, 1024, 4096),     # prefill of 512 tokens, hidden 1024
@@ -63,8 +63,8 @@ def seed_prepare(x, weight, bias):
 
 
 class Table:
-    def __init__(self, copy_gbs, gemm_tflops):
-        self.copy_gbs, self.gemm_tflops, self.rows = copy_gbs, gemm_tflops, []
+    def __init__(self, copy_gbs, gemm_tflops, read_gbs):
+        self.copy_gbs, self.gemm_tflops, self.read_gbs, self.rows = copy_gbs, gemm_tflops, read_gbs, []
         print(f"{'shape':20s} {'impl':14s} {'time us':>9s} {'TFLOP/s':>8s} {'%gemm':>6s} "
               f"{'%wfloor':>7s} {'rel err':>8s}  method")
 
@@ -100,7 +100,8 @@ def run(table, impls, shapes, dtype):
         sizes = (m, k, n, x.element_size())
         print(f"# {shape}: {2 * m * k * n / (table.gemm_tflops * 1e12) * 1e6:.1f} us at the GEMM "
               f"ceiling, {k * n * x.element_size() / (table.copy_gbs * 1e9) * 1e6:.1f} us to read "
-              f"the weight at the copy bandwidth", flush=True)
+              f"the weight at the copy bandwidth, "
+              f"{k * n * x.element_size() / (table.read_gbs * 1e9) * 1e6:.1f} us reading alone", flush=True)
         for name, (prepare, fn) in impls.items():
             args = prepare(x, weight, bias)
             try:
@@ -152,14 +153,17 @@ def main():
     info = fusekit.build_info()
     print_header(info, f"dtype {args.dtype}")
     copy_gbs, gemm_tflops = copy_ceiling(), gemm_ceiling(dtype=dtype)
+    read_gbs = read_ceiling()
     print(f"# ceilings: device copy {copy_gbs:.0f} GB/s (1 GiB, read + write), "
-          f"{args.dtype} GEMM {gemm_tflops:.0f} TFLOP/s (8192^3, torch.matmul)")
-    table = Table(copy_gbs, gemm_tflops)
+          f"{args.dtype} GEMM {gemm_tflops:.0f} TFLOP/s (8192^3, torch.matmul); reading alone "
+          f"{read_gbs:.0f} GB/s (256 MiB, torch.sum)")
+    table = Table(copy_gbs, gemm_tflops, read_gbs)
     run(table, impls, args.shapes or SHAPES, dtype)
 
     if args.json:
         write_json(args.json, info, dtype=args.dtype,
-                   ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops), rows=table.rows)
+                   ceilings=dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tflops, read_gbs=read_gbs),
+                   rows=table.rows)
 
 
 if __name__ == "__main__":

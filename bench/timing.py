@@ -142,6 +142,14 @@ def copy_ceiling(nbytes=2**30):
     return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
+def read_ceiling(nbytes=2**28):
+    """Achieved bandwidth of reading `nbytes` once (a float32 sum), in GB/s (bytes read only)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    t = bench(lambda: src.sum(), flush=True)
+    del src
+    return nbytes / (t.median_us * 1e-6) / 1e9
+
+
 def gemm_ceiling(m=8192, dtype=torch.bfloat16):
     """Achieved throughput of an m x m x m matrix product in `dtype` (torch.matmul), in TFLOP/s."""
     a = torch.randn(m, m, dtype=dtype, device="cuda")
