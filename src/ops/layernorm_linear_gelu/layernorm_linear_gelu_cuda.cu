@@ -279,7 +279,8 @@ constexpr int kFewWarps = 8;
 // against 64.4 at 64 columns a block, 62.5 against 88.0 at 32.
 constexpr int kFewStepK = 128;
 
-struct FewRowsArgs {
+// What fusekit's own products take (the warpgroup product reads xn and w through tensor maps).
+struct ProductArgs {
   std::int64_t m, n, k;
   const void* xn;
   std::int64_t ld_xn;
@@ -340,7 +341,7 @@ __device__ __forceinline__ void mma_half(float (&c)[4], const std::uint32_t (&a)
 }
 
 template <typename T, int kMTiles, int kWarpsN, int kStepK>
-__global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(FewRowsArgs a) {
+__global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(ProductArgs a) {
   using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
   extern __shared__ __align__(128) unsigned char shared_raw[];
   T* shared = reinterpret_cast<T*>(shared_raw);
@@ -442,40 +443,26 @@ bool few_rows_fits(const LayerNormLinearGeluParams& p) {
          is_aligned(p.weight, 16);
 }
 
-template <typename T, int kMTiles, int kWarpsN, int kStepK = kFewStepK>
-void launch_few_rows(const FewRowsArgs& a, int device, cudaStream_t stream) {
-  using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
-  const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN, kStepK>;
-  static std::atomic<bool> allowed[kMaxDevices];
-  allow_shared_memory(kernel, C::kSharedBytes, device, allowed, false,
-                      [] { return concat(kOp, ": the kernel for M <= ", C::kRowsA); });
+// Launches `kernel` as a programmatic dependent of the LayerNorm kernel before it on `stream`
+// (sm_90; an ordinary launch on older devices).
+template <typename Kernel, typename... Args>
+void launch_dependent(Kernel kernel, dim3 grid, int threads, std::size_t shared_bytes, int device,
+                      cudaStream_t stream, const Args&... args) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ceil_div(a.n, C::kBN)));
-  config.blockDim = dim3(kFewWarps * 32);
-  config.dynamicSmemBytes = C::kSharedBytes;
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = compute_capability_major(device) >= 9 ? 1 : 0;
-  FUSEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a));
+  FUSEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
-// 64 columns a block when that fills the device once, else 32.
-template <typename T, int kMTiles>
-void launch_few_rows_columns(const FewRowsArgs& a, int device, cudaStream_t stream) {
-  if (ceil_div(a.n, std::int64_t{64}) >= multiprocessor_count(device)) {
-    launch_few_rows<T, kMTiles, 4>(a, device, stream);
-  } else {
-    launch_few_rows<T, kMTiles, 2>(a, device, stream);
-  }
-}
-
-template <typename T>
-void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn, int device,
-                     cudaStream_t stream) {
-  FewRowsArgs a{};
+ProductArgs product_args(const LayerNormLinearGeluParams& p, const void* xn, std::int64_t ld_xn) {
+  ProductArgs a{};
   a.m = p.m;
   a.n = p.nout;
   a.k = p.k;
@@ -487,6 +474,34 @@ void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64
   a.out = p.out;
   a.ld_out = p.out_row_stride;
   a.tanh_gelu = p.approximate == GeluApproximation::Tanh;
+  return a;
+}
+
+template <typename T, int kMTiles, int kWarpsN, int kStepK = kFewStepK>
+void launch_few_rows(const ProductArgs& a, int device, cudaStream_t stream) {
+  using C = FewRows<T, kMTiles, kWarpsN, kStepK>;
+  const auto kernel = few_rows_gemm_gelu<T, kMTiles, kWarpsN, kStepK>;
+  static std::atomic<bool> allowed[kMaxDevices];
+  allow_shared_memory(kernel, C::kSharedBytes, device, allowed, false,
+                      [] { return concat(kOp, ": the kernel for M <= ", C::kRowsA); });
+  launch_dependent(kernel, dim3(static_cast<unsigned>(ceil_div(a.n, C::kBN))), kFewWarps * 32,
+                   C::kSharedBytes, device, stream, a);
+}
+
+// 64 columns a block when that fills the device once, else 32.
+template <typename T, int kMTiles>
+void launch_few_rows_columns(const ProductArgs& a, int device, cudaStream_t stream) {
+  if (ceil_div(a.n, std::int64_t{64}) >= multiprocessor_count(device)) {
+    launch_few_rows<T, kMTiles, 4>(a, device, stream);
+  } else {
+    launch_few_rows<T, kMTiles, 2>(a, device, stream);
+  }
+}
+
+template <typename T>
+void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn, int device,
+                     cudaStream_t stream) {
+  const ProductArgs a = product_args(p, xn, ld_xn);
   if (p.m <= 16) {
     launch_few_rows_columns<T, 1>(a, device, stream);
   } else if (p.m <= 32) {
@@ -539,17 +554,9 @@ struct WgProduct {
                 std::size_t{2} * kBM * kOutPitch * sizeof(float) <= kStages * kStageBytes);
 };
 
-struct WgArgs {
-  std::int64_t m, n, k;
-  const void* bias;  // [n] or null
-  void* out;
-  std::int64_t ld_out;
-  bool tanh_gelu;
-};
-
 // The two consumer warpgroups of wg_product_gelu: the MMAs of every step, then the epilogue.
 template <typename T, int kBM>
-__device__ __forceinline__ void consume(const WgArgs& a, unsigned char* slots, std::uint64_t* full,
+__device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slots, std::uint64_t* full,
                                        std::uint64_t* empty, std::int64_t n0, std::int64_t m0,
                                        int steps) {
 #ifdef FUSEKIT_WGMMA
@@ -624,7 +631,7 @@ __device__ __forceinline__ void consume(const WgArgs& a, unsigned char* slots, s
 template <typename T, int kBM>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_product_gelu(const __grid_constant__ CUtensorMap w_map,
-                    const __grid_constant__ CUtensorMap x_map, const WgArgs a) {
+                    const __grid_constant__ CUtensorMap x_map, const ProductArgs a) {
 #ifdef FUSEKIT_WGMMA
   using C = WgProduct<kBM>;
   extern __shared__ unsigned char shared_raw[];
@@ -697,26 +704,11 @@ void launch_wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int
   const CUtensorMap w_map =
       make_tensor_map_2d(kOp, p.dtype, p.weight, p.nout, p.k, p.w_stride_n, kWgRowsW);
   const CUtensorMap x_map = make_tensor_map_2d(kOp, p.dtype, xn, p.m, p.k, ld_xn, kBM);
-  WgArgs a{};
-  a.m = p.m;
-  a.n = p.nout;
-  a.k = p.k;
-  a.bias = p.bias;
-  a.out = p.out;
-  a.ld_out = p.out_row_stride;
-  a.tanh_gelu = p.approximate == GeluApproximation::Tanh;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ceil_div(p.nout, std::int64_t{kWgRowsW})),
-                        static_cast<unsigned>(ceil_div(p.m, std::int64_t{kBM})));
-  config.blockDim = dim3(kWgThreads);
-  config.dynamicSmemBytes = C::kSharedBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  FUSEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, w_map, x_map, a));
+  launch_dependent(kernel,
+                   dim3(static_cast<unsigned>(ceil_div(p.nout, std::int64_t{kWgRowsW})),
+                        static_cast<unsigned>(ceil_div(p.m, std::int64_t{kBM}))),
+                   kWgThreads, C::kSharedBytes, device, stream, w_map, x_map,
+                   product_args(p, xn, ld_xn));
 }
 
 // The narrowest tile of rows that holds M.
