@@ -27,8 +27,8 @@
 // float16 or bfloat16, a row-major weight and K a multiple of 8 (16-byte aligned weight rows),
 // fusekit's own kernel takes the product (on warpgroup MMAs on compute capability 9.0 with an
 // sm_90a build), with the bias and either GELU in float32 in its epilogue; it has no algorithm to
-// choose and no workspace. The CPU backend computes in float32
-// with double statistics and keeps the normalised rows in float32.
+// choose and no workspace. The CPU backend computes in float32 with double statistics and keeps
+// the normalised rows in float32.
 // Aliasing: `out` must not overlap any input (checked).
 // Determinism: bitwise deterministic within a process for a given device, shape, layout and
 // alignment. On CUDA, the first call for a shape (outside graph capture) times the matrix

@@ -436,11 +436,15 @@ __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(ProductArgs
   }
 }
 
+// What both of fusekit's own products need of the weight: row-major, every row 16-byte aligned
+// (K and the row stride multiples of 8 elements).
+bool weight_rows_aligned(const LayerNormLinearGeluParams& p) {
+  return p.w_stride_k == 1 && p.k % 8 == 0 && p.w_stride_n % 8 == 0 && is_aligned(p.weight, 16);
+}
+
 // Whether the few-rows kernel takes a float16 or bfloat16 product (see the top of the file).
-template <typename T>
 bool few_rows_fits(const LayerNormLinearGeluParams& p) {
-  return p.m <= kFewRowsMax && p.w_stride_k == 1 && p.k % 8 == 0 && p.w_stride_n % 8 == 0 &&
-         is_aligned(p.weight, 16);
+  return p.m <= kFewRowsMax && weight_rows_aligned(p);
 }
 
 // Launches `kernel` as a programmatic dependent of the LayerNorm kernel before it on `stream`
@@ -554,12 +558,12 @@ struct WgProduct {
                 std::size_t{2} * kBM * kOutPitch * sizeof(float) <= kStages * kStageBytes);
 };
 
-// The two consumer warpgroups of wg_product_gelu: the MMAs of every step, then the epilogue.
+// The two consumer warpgroups of wg_product_gelu: the MMAs of every step, then the epilogue
+// (instantiated only where the kernel's body is compiled, for sm_90a).
 template <typename T, int kBM>
 __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slots, std::uint64_t* full,
                                        std::uint64_t* empty, std::int64_t n0, std::int64_t m0,
                                        int steps) {
-#ifdef FUSEKIT_WGMMA
   using C = WgProduct<kBM>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // A consumer warpgroup: weight rows 64 wg .. 64 wg + 63 of the block's.
@@ -625,7 +629,6 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
       for (int e = 0; e < 8 && col + e < a.n; ++e) dst[e] = from_float<T>(gelu(src[e], a.tanh_gelu));
     }
   }
-#endif
 }
 
 template <typename T, int kBM>
@@ -688,9 +691,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
 // Whether the warpgroup product takes a float16 or bfloat16 product on `device`.
 bool wg_product_fits(const LayerNormLinearGeluParams& p, int device) {
-  return has_warpgroup_mma(device) && p.w_stride_k == 1 && p.k % 8 == 0 && p.w_stride_n % 8 == 0 &&
-         is_aligned(p.weight, 16) && p.nout <= std::numeric_limits<int>::max() &&
-         ceil_div(p.m, std::int64_t{128}) <= 65535 && p.m <= std::numeric_limits<int>::max();
+  // Tensor-map coordinates are ints; the grid's y extent (blocks of rows) is at most 65535.
+  return has_warpgroup_mma(device) && weight_rows_aligned(p) &&
+         p.nout <= std::numeric_limits<int>::max() && ceil_div(p.m, std::int64_t{128}) <= 65535;
 }
 
 template <typename T, int kBM>
@@ -898,7 +901,7 @@ Product choose_product(const LayerNormLinearGeluParams& p, int device) {
                   ": fusekit's own products take float16 and bfloat16 only");
     return Product::Library;
   } else {
-    const bool wg = wg_product_fits(p, device), few = few_rows_fits<T>(p);
+    const bool wg = wg_product_fits(p, device), few = few_rows_fits(p);
     switch (p.product) {
       case Product::Auto:
         return wg && p.m <= kWgMaxRows ? Product::Warpgroup
