@@ -910,12 +910,17 @@ Product choose_product(const LayerNormLinearGeluParams& p, int device) {
       case Product::Warpgroup:
         FUSEKIT_CHECK(wg, kOp, ": the warpgroup product was asked for, but it needs an sm_90a "
                       "build on a compute capability 9.0 device and a row-major, 16-byte aligned "
-                      "weight with K a multiple of 8");
+                      "weight with K a multiple of 8; device ", device,
+                      has_warpgroup_mma(device) ? " runs warpgroup MMAs" : " does not run them",
+                      ", K = ", p.k, ", weight strides (", p.w_stride_n, ", ", p.w_stride_k, ")",
+                      is_aligned(p.weight, 16) ? "" : ", weight not 16-byte aligned");
         return Product::Warpgroup;
       case Product::FewRows:
         FUSEKIT_CHECK(few, kOp, ": the few-rows product was asked for, but it needs at most ",
                       kFewRowsMax, " rows and a row-major, 16-byte aligned weight with K a "
-                      "multiple of 8");
+                      "multiple of 8; M = ", p.m, ", K = ", p.k, ", weight strides (",
+                      p.w_stride_n, ", ", p.w_stride_k, ")",
+                      is_aligned(p.weight, 16) ? "" : ", weight not 16-byte aligned");
         return Product::FewRows;
       case Product::Library:
         return Product::Library;
