@@ -29,12 +29,13 @@ std::vector<float> to_floats(const void* data, DType dtype, std::int64_t n, std:
   return v;
 }
 
+// Without 1 + tanh or 1 + erf, which cancel for negative v (as the CUDA backend's gelu).
 float gelu(float v, GeluApproximation approximate) {
   switch (approximate) {
     case GeluApproximation::Tanh:
-      return 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+      return v / (1.0f + std::exp(-2.0f * 0.7978845608028654f * (v + 0.044715f * v * v * v)));
     case GeluApproximation::None:
-      return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
+      return 0.5f * v * std::erfc(-v * 0.7071067811865476f);
   }
   return v;  // unreachable: the options are checked
 }

@@ -246,9 +246,12 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
 
 // ------------------------------------------------------------------------------------ GELU pass
 
+// Written without 1 + tanh or 1 + erf, which cancel for negative v (at v = -4.6 a float32 tanh
+// leaves 1 + tanh with 2.6% relative error): 0.5 v (1 + tanh u) = v / (1 + exp(-2 u)) and
+// 0.5 v (1 + erf w) = 0.5 v erfc(-w), accurate to a few ulp for every v (as the CPU backend).
 __device__ __forceinline__ float gelu(float v, bool tanh_form) {
-  return tanh_form ? 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)))
-                   : 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+  return tanh_form ? v / (1.0f + expf(-2.0f * 0.7978845608028654f * (v + 0.044715f * v * v * v)))
+                   : 0.5f * v * erfcf(-v * 0.7071067811865476f);
 }
 
 template <typename T, GeluApproximation A>
