@@ -78,6 +78,8 @@ __device__ __forceinline__ void wgmma_wait() {
 #define FUSEKIT_WGMMA_ACC16(d, o) FUSEKIT_WGMMA_ACC8(d, o), FUSEKIT_WGMMA_ACC8(d, o + 8)
 #define FUSEKIT_WGMMA_ACC32(d, o) FUSEKIT_WGMMA_ACC16(d, o), FUSEKIT_WGMMA_ACC16(d, o + 16)
 #define FUSEKIT_WGMMA_ACC64(d, o) FUSEKIT_WGMMA_ACC32(d, o), FUSEKIT_WGMMA_ACC32(d, o + 32)
+#define FUSEKIT_WGMMA_ACC40(d, o) FUSEKIT_WGMMA_ACC32(d, o), FUSEKIT_WGMMA_ACC8(d, o + 32)
+#define FUSEKIT_WGMMA_ACC80(d, o) FUSEKIT_WGMMA_ACC64(d, o), FUSEKIT_WGMMA_ACC16(d, o + 64)
 #define FUSEKIT_WGMMA_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define FUSEKIT_WGMMA_REGS16 FUSEKIT_WGMMA_REGS8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define FUSEKIT_WGMMA_REGS32                                                                   \
@@ -87,6 +89,10 @@ __device__ __forceinline__ void wgmma_wait() {
   FUSEKIT_WGMMA_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "   \
                        "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "     \
                        "%58, %59, %60, %61, %62, %63"
+#define FUSEKIT_WGMMA_REGS40 FUSEKIT_WGMMA_REGS32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define FUSEKIT_WGMMA_REGS80                                                                   \
+  FUSEKIT_WGMMA_REGS64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, "   \
+                       "%77, %78, %79"
 
 // One wgmma.m64nNk16 with float32 accumulators: A from shared memory (SS: operands %R, %R+1 are
 // the two descriptors) or from four registers (RS: %R .. %R+3, then B's descriptor), the
@@ -106,11 +112,11 @@ __device__ __forceinline__ void wgmma_wait() {
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
 /// d (+)= a [64, 16] b [16, N], both operands in shared memory (descriptors `a` and `b`), T
-/// __half or __nv_bfloat16, N = 16, 32, 64 or 128; `accumulate` false overwrites d.
+/// __half or __nv_bfloat16, N = 16, 32, 64, 80, 128 or 160; `accumulate` false overwrites d.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std::uint64_t b,
                                          bool accumulate) {
-  static_assert(N == 16 || N == 32 || N == 64 || N == 128);
+  static_assert(N == 16 || N == 32 || N == 64 || N == 80 || N == 128 || N == 160);
 #ifdef FUSEKIT_WGMMA
   const int scale_d = accumulate ? 1 : 0;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -123,9 +129,15 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std
   } else if constexpr (N == 64) {
     if constexpr (kBf16) FUSEKIT_WGMMA_SS(64, 32, "bf16", 32, 33, 34);
     else FUSEKIT_WGMMA_SS(64, 32, "f16", 32, 33, 34);
-  } else {
+  } else if constexpr (N == 80) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(80, 40, "bf16", 40, 41, 42);
+    else FUSEKIT_WGMMA_SS(80, 40, "f16", 40, 41, 42);
+  } else if constexpr (N == 128) {
     if constexpr (kBf16) FUSEKIT_WGMMA_SS(128, 64, "bf16", 64, 65, 66);
     else FUSEKIT_WGMMA_SS(128, 64, "f16", 64, 65, 66);
+  } else {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(160, 80, "bf16", 80, 81, 82);
+    else FUSEKIT_WGMMA_SS(160, 80, "f16", 80, 81, 82);
   }
 #else
   __trap();

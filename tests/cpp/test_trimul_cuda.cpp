@@ -15,7 +15,9 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cuda_check.h"
 #include "cuda_test_support.h"
+#include "ops/trimul/trimul_params.h"
 #include "trimul_support.h"
 
 namespace {
@@ -28,6 +30,7 @@ constexpr Device kCuda = Device::cuda(0);
 constexpr DType kDtypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
 constexpr auto kIncoming = TrimulDirection::Incoming;
 constexpr auto kOutgoing = TrimulDirection::Outgoing;
+using ProjectKernel = fusekit::detail::TrimulProjectKernel;
 
 // ------------------------------------------------------------------------------------ checks
 
@@ -37,6 +40,22 @@ HostTensor run_cuda(const TrimulInputs& in, const TrimulCase& c, const TrimulLay
   HostTensor got = run_trimul_checked(in, c, kCuda, layouts);
   expect_device_ok();
   return got;
+}
+
+// The same with the projection kernel named instead of chosen.
+HostTensor run_cuda_projecting(const TrimulInputs& in, const TrimulCase& c, ProjectKernel kernel,
+                               const TrimulLayouts& layouts = {}) {
+  const TrimulTensors t = upload_trimul(in, c, kCuda, layouts);
+  fusekit::detail::synchronize(kCuda);
+  const TrimulOptions options{.direction = c.direction, .eps = c.eps};
+  fusekit::detail::TrimulParams p = fusekit::detail::trimul_params(
+      t.out.view, t.x.view, t.mask.view, t.weights.views(), options);
+  p.project_kernel = kernel;
+  fusekit::detail::launch_trimul(p, 0, {});
+  fusekit::detail::synchronize(kCuda);
+  expect_only_view_written(t.out, "out");
+  expect_device_ok();
+  return download_trimul(t);
 }
 
 void expect_matches_float64(const HostTensor& got, const TrimulInputs& in, const TrimulCase& c,
@@ -180,6 +199,73 @@ TEST_P(TrimulCudaLargeN, MatchesCpuBackend) {
 
 INSTANTIATE_TEST_SUITE_P(All, TrimulCudaLargeN, ::testing::ValuesIn(kLargeCases),
                          [](const auto& info) { return trimul_case_name(info.param); });
+
+// ------------------------------------------------------------------------------------ projections
+
+// Each projection kernel on kCases in every dtype and on the model's channel counts, whatever the
+// automatic choice: the mma.sync kernel takes every call; the warpgroup kernel (sm_90a builds on
+// compute capability 9.0) takes C up to 384 with rows of whole 16-byte pieces (or a single row),
+// and naming it for anything else is an error.
+std::vector<TrimulCase> projection_cases() {
+  std::vector<TrimulCase> cases = cases_in_every_dtype();
+  for (DType dtype : kDtypes) {
+    for (std::int64_t c : {128, 384, 512}) {
+      cases.push_back({1, 24, c, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, dtype});
+      cases.push_back({2, 19, c, 96, kIncoming, TrimulMask::None, TrimulDist::Cauchy, dtype, dtype});
+    }
+  }
+  return cases;
+}
+
+bool warpgroup_takes(const TrimulCase& c) {
+  const bool one_row = c.b * c.n * c.n == 1;  // no spacing between rows to align
+  return c.c <= 384 &&
+         (one_row || c.c * static_cast<std::int64_t>(fusekit::element_size(c.dtype)) % 16 == 0);
+}
+
+class TrimulCudaProjections
+    : public CudaTest<::testing::TestWithParam<std::tuple<ProjectKernel, TrimulCase>>> {};
+
+TEST_P(TrimulCudaProjections, MatchesFloat64) {
+  const auto [kernel, c] = GetParam();
+  if (kernel == ProjectKernel::Warpgroup && !fusekit::detail::has_warpgroup_mma(0)) {
+    GTEST_SKIP() << "the warpgroup kernel needs an sm_90a build on a compute capability 9.0 device";
+  }
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  if (kernel == ProjectKernel::Warpgroup && !warpgroup_takes(c)) {
+    EXPECT_ERROR_CONTAINS("the warpgroup projection kernel was asked for",
+                          [&] { run_cuda_projecting(in, c, kernel); });
+    return;
+  }
+  expect_matches_float64(run_cuda_projecting(in, c, kernel), in, c);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, TrimulCudaProjections,
+    ::testing::Combine(::testing::Values(ProjectKernel::MmaSync, ProjectKernel::Warpgroup),
+                       ::testing::ValuesIn(projection_cases())),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param) == ProjectKernel::MmaSync ? "mma_sync_"
+                                                                           : "warpgroup_") +
+             trimul_case_name(std::get<1>(info.param));
+    });
+
+// Many tiles a block (the warpgroup kernel is persistent) against the CPU backend, with a mask.
+class TrimulCudaProjectionsLarge : public CudaTest<> {};
+
+TEST_F(TrimulCudaProjectionsLarge, WarpgroupMatchesCpuBackend) {
+  if (!fusekit::detail::has_warpgroup_mma(0)) {
+    GTEST_SKIP() << "the warpgroup kernel needs an sm_90a build on a compute capability 9.0 device";
+  }
+  for (const TrimulCase& c :
+       {TrimulCase{1, 200, 384, 128, kIncoming, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
+        TrimulCase{3, 130, 128, 128, kOutgoing, TrimulMask::Fractional, TrimulDist::Cauchy,
+                   DType::BFloat16}}) {
+    SCOPED_TRACE(trimul_case_name(c));
+    const TrimulInputs in = make_trimul_inputs(c, rng_);
+    expect_matches_cpu(run_cuda_projecting(in, c, ProjectKernel::Warpgroup), in, c);
+  }
+}
 
 // ------------------------------------------------------------------------------------ masks
 

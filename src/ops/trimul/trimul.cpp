@@ -42,8 +42,10 @@ void check_rows(const char* arg, const TensorView& t) {
 
 }  // namespace
 
-void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
-            const TrimulWeights& weights, const TrimulOptions& options, Stream stream) {
+namespace detail {
+
+TrimulParams trimul_params(const TensorView& out, const TensorView& x, const TensorView& mask,
+                           const TrimulWeights& weights, const TrimulOptions& options) {
   // ---- shapes
   FUSEKIT_CHECK(x.ndim == 4, kOp, ": x has ", x.ndim, " dims ", x.shape_string(),
                 ", expected 4 dims [B, N, N, C]");
@@ -109,7 +111,7 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
                          {"to_out_norm_weight", &weights.to_out_norm_weight},
                          {"to_out_norm_bias", &weights.to_out_norm_bias},
                          {"to_out", &weights.to_out}});
-  if (b == 0 || n == 0) return;
+  if (b == 0 || n == 0) return p;
   check_rows("x", x);
   check_rows("out", out);
 
@@ -126,7 +128,15 @@ void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
   }
   p.direction = options.direction;
   p.eps = static_cast<float>(options.eps);
+  return p;
+}
 
+}  // namespace detail
+
+void trimul(const TensorView& out, const TensorView& x, const TensorView& mask,
+            const TrimulWeights& weights, const TrimulOptions& options, Stream stream) {
+  const detail::TrimulParams p = detail::trimul_params(out, x, mask, weights, options);
+  if (p.b == 0 || p.n == 0) return;
   detail::dispatch_device(
       kOp, x.device, [&] { detail::trimul_cpu(p); },
       [&] { detail::launch_trimul(p, x.device.index, stream); });

@@ -18,18 +18,24 @@
 // Nothing of size [B, N, N, 5H] or in float32 is ever materialised: the temporaries are left,
 // right, p and gate, four float16 [B, N, N, H] tensors (planes padded to rows of 8 elements).
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "common/cublaslt.h"
+#include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_types.cuh"
+#include "common/cuda_wgmma.cuh"
 #include "common/cuda_workspace.h"
 #include "common/dispatch.h"
+#include "common/tensor_map.h"
 #include "ops/trimul/trimul_params.h"
 
 namespace fusekit::detail {
@@ -157,6 +163,7 @@ __device__ __forceinline__ void gemm_chunks(const __half* As, int lda, __half* B
 struct PackArgs {
   TrimulWeight proj[kProjections], to_out, norm_weight, norm_bias, out_norm_weight, out_norm_bias;
   std::int64_t c, h, cp, hp, cpo, chunks;
+  bool by_projection;  // a chunk's rows projection by projection (the warpgroup kernel's order)
   __half* w5;   // [chunks * kProjCols, cp]
   __half* wo;   // [cpo, hp]
   float* ln;    // norm_weight [C], norm_bias [C], out_norm_weight [H], out_norm_bias [H]
@@ -169,11 +176,15 @@ __global__ void pack_weights(PackArgs a) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        i < total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     if (i < n5) {
-      // row = chunk * 160 + group * 40 + projection * 8 + channel, hidden d = chunk * 32 + group * 8 + channel
+      // mma.sync order: row = chunk * 160 + group * 40 + projection * 8 + channel, hidden
+      // d = chunk * 32 + group * 8 + channel; warpgroup order: row = chunk * 160 + projection * 32
+      // + channel, d = chunk * 32 + channel
       const std::int64_t row = i / a.cp, q = i % a.cp;
       const std::int64_t chunk = row / kProjCols, within = row % kProjCols;
-      const std::int64_t group = within / (8 * kProjections), proj = within / 8 % kProjections;
-      const std::int64_t d = chunk * kChunkD + group * 8 + within % 8;
+      const std::int64_t group = within / (8 * kProjections);
+      const std::int64_t proj = a.by_projection ? within / kChunkD : within / 8 % kProjections;
+      const std::int64_t d = a.by_projection ? chunk * kChunkD + within % kChunkD
+                                             : chunk * kChunkD + group * 8 + within % 8;
       a.w5[i] = __float2half_rn(d < a.h && q < a.c ? load_weight<T>(a.proj[proj], d, q) : 0.0f);
     } else if (i < n5 + no) {
       const std::int64_t j = i - n5, row = j / a.hp, d = j % a.hp;
@@ -504,6 +515,409 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
       });
 }
 
+// --------------------------------------------------------------------------- 2b. projections, sm_90a
+//
+// The same work on warpgroup MMAs: a persistent kernel, one block of 320 threads a multiprocessor,
+// over tiles of 128 rows. Two consumer warpgroups take 64 rows of a tile each. The x producer warp
+// copies rows of x through a ring of slots (tensor-map boxes of whole rows) ahead of use; a
+// warpgroup normalises its rows from there into its A tile, float16 in the 128-byte-swizzled layout
+// the MMAs read. The weight producer warp streams the packed weights, 160 rows (the five
+// projections of 32 channels) by 64 k a slot, through a ring both warpgroups read. A chunk of 32
+// channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the epilogue applies mask
+// and gates and writes left, right and gate through shared memory as the mma.sync kernel does,
+// while the other warpgroup's MMAs run.
+
+constexpr int kWgTileRows = 128;
+constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer, the x producer
+constexpr int kWgStepK = 64;     // k a weight slot: one 128-byte swizzled row per weight row
+constexpr int kWgChunkCols = kProjections * kChunkD;  // 160 weight rows a chunk
+constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
+constexpr int kWgStagePitch = 64 + 8;      // halves per staged channel of left and right
+constexpr int kWgGatePitch = kChunkD + 8;  // halves per staged row of gate
+constexpr std::size_t kWgStageBytes = (2 * kChunkD * kWgStagePitch + 64 * kWgGatePitch) * 2;
+constexpr std::int64_t kWgProjectMaxC = 384;
+
+// Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the two A tiles,
+// the weight slots, the two warpgroups' epilogue stages, the x slots, the rows' masks and plane
+// offsets, the LayerNorm's weight and bias, then the barriers (full and empty for the weight
+// slots, then for the x slots).
+struct WgProjectLayout {
+  int cp = 0;                      // C rounded up to whole 64-k blocks
+  int x_rows = 0, x_box_c = 0, x_boxes = 0;  // an x slot: x_boxes boxes of x_rows x x_box_c
+  int x_stages = 0, w_stages = 0;
+  std::uint32_t x_box_bytes = 0;
+  __host__ __device__ std::size_t a(int wg) const { return std::size_t(wg) * 64 * cp * 2; }
+  __host__ __device__ std::size_t w(int slot) const { return a(2) + std::size_t(slot) * kWgSlotBytes; }
+  __host__ __device__ std::size_t stage(int wg) const { return w(w_stages) + wg * kWgStageBytes; }
+  __host__ __device__ std::uint32_t x_slot_bytes() const { return x_boxes * x_box_bytes; }
+  __host__ __device__ std::size_t x(int slot) const { return stage(2) + std::size_t(slot) * x_slot_bytes(); }
+  __host__ __device__ std::size_t row_mask() const { return x(x_stages); }
+  __host__ __device__ std::size_t row_base() const { return row_mask() + kWgTileRows * 4; }
+  __host__ __device__ std::size_t ln() const { return row_base() + kWgTileRows * 8; }  // w, b [cp]
+  __host__ __device__ std::size_t barriers() const { return ln() + std::size_t(2) * cp * 4; }
+  __host__ __device__ std::size_t bytes() const {
+    return 1024 + barriers() + std::size_t(2) * (w_stages + x_stages) * 8;
+  }
+};
+
+struct WgProjectArgs {
+  WgProjectLayout layout;
+  const void* mask;  // or null
+  DType mask_dtype;
+  std::int64_t mask_stride[3];
+  std::int64_t m, n, c, h;
+  int chunks, tiles;
+  const float* ln_weight;
+  const float* ln_bias;
+  float eps;
+  __half* left;  // planes [B, H] of [N, ldn]
+  __half* right;
+  __half* gate;  // [M, H]
+  std::int64_t ldn, plane;
+};
+
+#ifdef FUSEKIT_WGMMA  // the device code of wg_project, compiled for sm_90a only
+
+// sigmoid(v) = (1 + tanh(v / 2)) / 2 on the hardware tanh: one special-function instruction where
+// exp and a reciprocal take two (its relative error, 2^-11, is that of the float16 results).
+__device__ __forceinline__ float fast_sigmoid(float v) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
+  return fmaf(0.5f, t, 0.5f);
+}
+
+// LayerNorm_C of rows r0, r0 + 4, r0 + 8 and r0 + 12 (those below x_rows) of an x slot into rows
+// a_row0 + ... of a warpgroup's swizzled A tile, by one warp; four rows at once, so that their
+// reductions overlap. Sums are of x - x[0] (no digits lost to a large mean), two passes over
+// values held in registers.
+// `src` is where the lane's values lie from a row's start in the slot (see wg_project_consume),
+// `ln` the LayerNorm's weight and bias in shared memory (zeros from C to cp); a lane holds
+// kQuads groups of four values of a row, C <= 128 kQuads.
+template <typename T, int kQuads>
+__device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProjectLayout& l,
+                                                    const int (&src)[kQuads], const float* ln,
+                                                    int r0, int c, float eps,
+                                                    unsigned char* a_tile, int a_row0) {
+  constexpr int kRows = 4;
+  const int lane = threadIdx.x & 31;
+  float v[kRows][kQuads][4];
+  float sum[kRows], sq[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = r0 + 4 * k;
+#pragma unroll
+    for (int t = 0; t < kQuads; ++t) {
+      if (r < l.x_rows && 4 * lane + 128 * t < c) {
+        load4(slot + src[t] + r * l.x_box_c, v[k][t]);
+      } else {
+        v[k][t][0] = v[k][t][1] = v[k][t][2] = v[k][t][3] = 0.0f;
+      }
+    }
+    const float shift = __shfl_sync(0xffffffffu, v[k][0][0], 0);
+    sum[k] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kQuads; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[k][t][i] = 4 * lane + 128 * t + i < c ? v[k][t][i] - shift : 0.0f;
+        sum[k] += v[k][t][i];
+      }
+    }
+  }
+  const float inv_c = 1.0f / static_cast<float>(c);
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) sum[k] = warp_sum(sum[k]) * inv_c;  // the means
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    sq[k] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kQuads; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float d = 4 * lane + 128 * t + i < c ? v[k][t][i] - sum[k] : 0.0f;
+        sq[k] += d * d;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) sq[k] = rsqrtf(warp_sum(sq[k]) * inv_c + eps);  // 1 / std
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = r0 + 4 * k;
+    if (r >= l.x_rows) continue;
+    const int a_row = a_row0 + 4 * k;
+#pragma unroll
+    for (int t = 0; t < kQuads; ++t) {
+      const int q = 4 * lane + 128 * t;
+      if (q >= l.cp) continue;
+      const float4 w = *reinterpret_cast<const float4*>(ln + q);
+      const float4 b = *reinterpret_cast<const float4*>(ln + l.cp + q);
+      union {
+        uint2 raw;
+        __half2 h[2];
+      } u;
+      u.h[0] = __floats2half2_rn((v[k][t][0] - sum[k]) * sq[k] * w.x + b.x,
+                                 (v[k][t][1] - sum[k]) * sq[k] * w.y + b.y);
+      u.h[1] = __floats2half2_rn((v[k][t][2] - sum[k]) * sq[k] * w.z + b.z,
+                                 (v[k][t][3] - sum[k]) * sq[k] * w.w + b.w);
+      const int piece = (q % kWgStepK / 8) ^ (a_row & 7);
+      *reinterpret_cast<uint2*>(a_tile + (q / kWgStepK) * (64 * 128) + a_row * 128 + piece * 16 +
+                                (q % 8) * 2) = u.raw;
+    }
+  }
+}
+
+// A consumer warpgroup of wg_project, for every tile of the block.
+template <typename T, int kQuads>
+__device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsigned char* base,
+                                                   std::uint64_t* w_full, std::uint64_t* w_empty,
+                                                   std::uint64_t* x_full, std::uint64_t* x_empty) {
+  const WgProjectLayout& l = a.layout;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  unsigned char* const a_tile = base + l.a(wg);
+  const std::uint64_t desc_a = swizzled_descriptor(a_tile);
+  const std::uint64_t desc_w = swizzled_descriptor(base + l.w(0));
+  auto* const stage_left = reinterpret_cast<__half*>(base + l.stage(wg));  // [32][64 + 8]
+  auto* const stage_right = stage_left + kChunkD * kWgStagePitch;         // [32][64 + 8]
+  auto* const stage_gate = stage_right + kChunkD * kWgStagePitch;         // [64][32 + 8]
+  float* const row_mask = reinterpret_cast<float*>(base + l.row_mask()) + 64 * wg;
+  std::int64_t* const row_base = reinterpret_cast<std::int64_t*>(base + l.row_base()) + 64 * wg;
+  const int groups = kWgTileRows / l.x_rows;  // x slots a tile, both warpgroups'
+  const int kbs = l.cp / kWgStepK;
+  const int c = static_cast<int>(a.c);
+  const std::int64_t nn = a.n * a.n;
+  const float* const ln = reinterpret_cast<const float*>(base + l.ln());
+  int src[kQuads];  // this lane's values of a row, from its start in an x slot
+#pragma unroll
+  for (int t = 0; t < kQuads; ++t) {
+    const int q = 4 * lane + 128 * t;
+    src[t] = (q / l.x_box_c) * (l.x_rows * l.x_box_c) + q % l.x_box_c;
+  }
+  int step = 0;  // weight slots consumed
+  int it = 0;    // tiles done
+  for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x, ++it) {
+    const std::int64_t m0 = static_cast<std::int64_t>(tile) * kWgTileRows + 64 * wg;
+    if (tid < 64) {
+      const std::int64_t m = m0 + tid;
+      float mk = 0.0f;
+      std::int64_t rb = 0;
+      if (m < a.m) {
+        const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
+        rb = b * a.h * a.plane + i * a.ldn + j;
+        mk = a.mask ? load_mask(a.mask, a.mask_dtype,
+                                b * a.mask_stride[0] + i * a.mask_stride[1] + j * a.mask_stride[2])
+                    : 1.0f;
+      }
+      row_mask[tid] = mk;
+      row_base[tid] = rb;
+    }
+    // The warpgroup's rows: groups wg, wg + 2, ... of the tile's.
+    for (int within = 0; within < groups / 2; ++within) {
+      const int xs = it * groups + 2 * within + wg, slot = xs % l.x_stages;
+      mbarrier_wait(&x_full[slot], (xs / l.x_stages) & 1);
+      const T* rows = reinterpret_cast<const T*>(base + l.x(slot));
+      for (int r0 = warp; r0 < l.x_rows; r0 += 16) {
+        normalise_slot_rows<T, kQuads>(rows, l, src, ln, r0, c, a.eps, a_tile, within * l.x_rows + r0);
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(&x_empty[slot]);
+    }
+    fence_proxy_async_shared();       // the A tile, written by threads, is read by the MMAs
+    named_barrier_sync(1 + wg, 128);  // and the rows' masks and offsets by every thread
+
+    const bool contiguous = contiguous_tile(m0, 64, a.m, a.n, a.ldn);
+    for (int chunk = 0; chunk < a.chunks; ++chunk) {
+      float acc[kWgChunkCols / 2] = {};  // (defined here, not live across the LayerNorm)
+      for (int kb = 0; kb < kbs; ++kb, ++step) {
+        const int slot = step % l.w_stages;
+        mbarrier_wait(&w_full[slot], (step / l.w_stages) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < kWgStepK / 16; ++k16) {
+          wgmma_ss<__half, kWgChunkCols>(
+              acc, advance_descriptor(desc_a, kb * (64 * 128) + k16 * 32),
+              advance_descriptor(desc_w, slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous slot's MMAs are done: hand it back
+        if (kb > 0 && lane == 0) mbarrier_arrive(&w_empty[(step - 1) % l.w_stages]);
+      }
+      wgmma_wait<0>();
+      if (lane == 0) mbarrier_arrive(&w_empty[(step - 1) % l.w_stages]);
+
+      // acc[4 j + e] is row 16 warp + lane / 4 + 8 (e / 2) and column 8 j + 2 (lane % 4) + e % 2
+      // of the chunk's 160: projection j / 4, channel 8 (j % 4) + 2 (lane % 4) + e % 2.
+#pragma unroll
+      for (int cb = 0; cb < kChunkD / 8; ++cb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 16 * warp + lane / 4 + 8 * (e / 2);
+          const int ch = 8 * cb + 2 * (lane % 4) + e % 2;
+          const auto at = [&](int proj, int ee) { return acc[4 * (4 * proj + cb) + ee]; };
+          const float mk = row_mask[r];
+          stage_left[ch * kWgStagePitch + r] =
+              __float2half_rn(at(kLeftProj, e) * mk * fast_sigmoid(at(kLeftGate, e)));
+          stage_right[ch * kWgStagePitch + r] =
+              __float2half_rn(at(kRightProj, e) * mk * fast_sigmoid(at(kRightGate, e)));
+          if (e % 2 == 0) {  // channels ch and ch + 1 of row r, side by side
+            *reinterpret_cast<__half2*>(stage_gate + r * kWgGatePitch + ch) = __floats2half2_rn(
+                fast_sigmoid(at(kOutGate, e)), fast_sigmoid(at(kOutGate, e + 1)));
+          }
+        }
+      }
+      named_barrier_sync(1 + wg, 128);
+      const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
+      const int channels = static_cast<int>(a.h - d0 < kChunkD ? a.h - d0 : kChunkD);
+      if (contiguous) {  // a channel's 64 rows are one 128-byte run of its plane
+        for (int i = tid; i < channels * 8; i += 128) {
+          const int dl = i / 8, piece = i % 8;
+          const std::int64_t offset = row_base[0] + (d0 + dl) * a.plane + piece * 8;
+          const int from = dl * kWgStagePitch + piece * 8;
+          *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
+          *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
+        }
+      } else {
+        for (int i = tid; i < channels * 64; i += 128) {
+          const int dl = i / 64, r = i % 64;
+          if (m0 + r < a.m) {
+            const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
+            a.left[offset] = stage_left[dl * kWgStagePitch + r];
+            a.right[offset] = stage_right[dl * kWgStagePitch + r];
+          }
+        }
+      }
+      if (a.h % 8 == 0) {  // channels is a multiple of 8 too
+        const int pieces = channels / 8;
+        for (int i = tid; i < 64 * pieces; i += 128) {
+          const int r = i / pieces, piece = i % pieces;
+          if (m0 + r < a.m) {
+            *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
+                *reinterpret_cast<const uint4*>(stage_gate + r * kWgGatePitch + piece * 8);
+          }
+        }
+      } else {
+        for (int i = tid; i < 64 * channels; i += 128) {
+          const int r = i / channels, dl = i % channels;
+          if (m0 + r < a.m) a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * kWgGatePitch + dl];
+        }
+      }
+      named_barrier_sync(1 + wg, 128);  // the stage, masks and offsets are free again
+    }
+  }
+}
+
+#endif  // FUSEKIT_WGMMA
+
+template <typename T, int kQuads>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    wg_project(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
+               const WgProjectArgs a) {
+#ifdef FUSEKIT_WGMMA
+  const WgProjectLayout& l = a.layout;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes), by pointer
+  // arithmetic on the shared array, so that accesses stay shared-memory instructions.
+  unsigned char* const base = shared_raw + ((1024 - (shared_address(shared_raw) & 1023)) & 1023);
+  auto* const w_full = reinterpret_cast<std::uint64_t*>(base + l.barriers());
+  auto* const w_empty = w_full + l.w_stages;
+  auto* const x_full = w_empty + l.w_stages;
+  auto* const x_empty = x_full + l.x_stages;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 256) {
+    for (int s = 0; s < l.w_stages; ++s) {
+      mbarrier_init(&w_full[s], 1);
+      mbarrier_init(&w_empty[s], 8);  // one arrival per consumer warp
+    }
+    for (int s = 0; s < l.x_stages; ++s) {
+      mbarrier_init(&x_full[s], 1);
+      mbarrier_init(&x_empty[s], 4);  // one arrival per warp of the warpgroup the rows are for
+    }
+    mbarrier_init_fence();
+  }
+  float* const ln = reinterpret_cast<float*>(base + l.ln());
+  for (int q = threadIdx.x; q < l.cp; q += kWgThreads) {
+    ln[q] = q < a.c ? a.ln_weight[q] : 0.0f;
+    ln[l.cp + q] = q < a.c ? a.ln_bias[q] : 0.0f;
+  }
+  __syncthreads();
+
+  if (warp < 8) {
+    wg_project_consume<T, kQuads>(a, base, w_full, w_empty, x_full, x_empty);
+  } else if (warp == 8 && lane == 0) {  // the weight producer
+    prefetch_tensor_map(&w_map);
+    const int kbs = l.cp / kWgStepK;
+    int step = 0;
+    for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+      for (int chunk = 0; chunk < a.chunks; ++chunk) {
+        for (int kb = 0; kb < kbs; ++kb, ++step) {
+          const int slot = step % l.w_stages;
+          if (step >= l.w_stages) mbarrier_wait(&w_empty[slot], (step / l.w_stages - 1) & 1);
+          mbarrier_arrive_expect_bytes(&w_full[slot], kWgSlotBytes);
+          tensor_copy_2d_to_shared(base + l.w(slot), &w_map, kb * kWgStepK, chunk * kWgChunkCols,
+                                   &w_full[slot]);
+        }
+      }
+    }
+  } else if (warp == 9 && lane == 0) {  // the x producer
+    prefetch_tensor_map(&x_map);
+    const int groups = kWgTileRows / l.x_rows;
+    int xs = 0;
+    for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+      for (int g = 0; g < groups; ++g, ++xs) {
+        const int slot = xs % l.x_stages;
+        if (xs >= l.x_stages) mbarrier_wait(&x_empty[slot], (xs / l.x_stages - 1) & 1);
+        mbarrier_arrive_expect_bytes(&x_full[slot], l.x_slot_bytes());
+        // group g: rows x_rows (g / 2) .. of warpgroup g % 2
+        const int row = tile * kWgTileRows + (g % 2) * 64 + (g / 2) * l.x_rows;
+        for (int box = 0; box < l.x_boxes; ++box) {
+          tensor_copy_2d_to_shared(base + l.x(slot) + box * l.x_box_bytes, &x_map,
+                                   box * l.x_box_c, row, &x_full[slot]);
+        }
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// The warpgroup kernel's shared memory for rows of C elements of `element` bytes, or nothing where
+// C exceeds kWgProjectMaxC or a ring of two slots each does not fit in `limit` bytes.
+std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t element, int limit) {
+  if (c > kWgProjectMaxC) return std::nullopt;
+  WgProjectLayout l;
+  l.cp = static_cast<int>(ceil_div(c, std::int64_t{kWgStepK}) * kWgStepK);
+  l.x_boxes = static_cast<int>(ceil_div(c, std::int64_t{256}));  // a box is at most 256 wide
+  const int per16 = static_cast<int>(16 / element);
+  l.x_box_c = static_cast<int>(ceil_div(ceil_div(c, std::int64_t{l.x_boxes}), std::int64_t{per16}) * per16);
+  const std::size_t row_bytes = std::size_t(l.x_boxes) * l.x_box_c * element;
+  l.x_rows = row_bytes * 16 <= 16384 ? 16 : 8;  // slots of at most 16 KiB where rows allow
+  l.x_box_bytes = static_cast<std::uint32_t>(l.x_rows * l.x_box_c * element);
+  const auto fits = [&](int x, int w) {
+    WgProjectLayout t = l;
+    t.x_stages = x;
+    t.w_stages = w;
+    return t.bytes() <= static_cast<std::size_t>(limit);
+  };
+  int x = 2, w = 2;
+  if (!fits(x, w)) return std::nullopt;
+  while (w < 4 && fits(x, w + 1)) ++w;  // weights first: the MMAs wait on them every step
+  while (x < 4 && fits(x + 1, w)) ++x;
+  while (w < 8 && fits(x, w + 1)) ++w;
+  l.x_stages = x;
+  l.w_stages = w;
+  return l;
+}
+
+// x as a matrix of M evenly spaced rows: the spacing in elements, or 0 where the rows are not.
+std::int64_t uniform_row_stride(const TrimulParams& p) {
+  if (p.rows() == 1) return ceil_div(p.c, std::int64_t{8}) * 8;
+  if (p.n == 1) return p.x_stride[0];
+  const bool uniform = p.x_stride[1] == p.n * p.x_stride[2] &&
+                       (p.b == 1 || p.x_stride[0] == p.n * p.x_stride[1]);
+  return uniform ? p.x_stride[2] : 0;
+}
+
 // --------------------------------------------------------------------------- 3. pairwise product
 
 // Everything the heuristic's choice depends on: device, N, planes, direction.
@@ -718,16 +1132,75 @@ void launch_with_smem(Kernel kernel, std::int64_t blocks, std::size_t smem, cons
   }
 }
 
+// The warpgroup projection kernel, one block a multiprocessor, on the mma.sync kernel's arguments.
+template <typename T>
+void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std::int64_t x_ld,
+                       const ProjectArgs& pa, int device, cudaStream_t stream) {
+  // Layouts differ with C: the kernel may take all the shared memory a block can have.
+  const auto kernel = layout.cp <= 128 ? wg_project<T, 1> : layout.cp <= 256 ? wg_project<T, 2>
+                                                                             : wg_project<T, 3>;
+  static std::atomic<bool> allowed[3][kMaxDevices];
+  allow_shared_memory(kernel, static_cast<std::size_t>(max_shared_memory_per_block(device)), device,
+                      allowed[(layout.cp - 1) / 128], true, [] { return concat(kOp, ": the warpgroup projection kernel"); });
+  WgProjectArgs a{};
+  a.layout = layout;
+  a.mask = pa.mask;
+  a.mask_dtype = pa.mask_dtype;
+  for (int d = 0; d < 3; ++d) a.mask_stride[d] = pa.mask_stride[d];
+  a.m = pa.m;
+  a.n = pa.n;
+  a.c = pa.c;
+  a.h = pa.h;
+  a.chunks = pa.chunks;
+  a.tiles = static_cast<int>(ceil_div(pa.m, std::int64_t{kWgTileRows}));
+  a.ln_weight = pa.ln_weight;
+  a.ln_bias = pa.ln_bias;
+  a.eps = pa.eps;
+  a.left = pa.left;
+  a.right = pa.right;
+  a.gate = pa.gate;
+  a.ldn = pa.ldn;
+  a.plane = pa.plane;
+  const CUtensorMap w_map = make_tensor_map_2d(kOp, DType::Float16, pa.w5, pa.chunks * kWgChunkCols,
+                                               layout.cp, layout.cp, kWgChunkCols);
+  const CUtensorMap x_map = make_tensor_map_rows(kOp, p.dtype, p.x, pa.m, p.c, x_ld, layout.x_rows,
+                                                 layout.x_box_c);
+  const int blocks = std::min(a.tiles, multiprocessor_count(device));
+  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(w_map, x_map, a);
+  FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
+}
+
 template <typename T>
 void run(const TrimulParams& p, int device, cudaStream_t stream) {
   const std::int64_t m = p.rows();
   const std::int64_t chunks = ceil_div(p.h, kChunkD), hp = chunks * kChunkD;
-  const std::int64_t cp = ceil_div(p.c, kKSlice) * kKSlice;
+  const int smem_limit = max_shared_memory_per_block(device);
+
+  // The projection kernel: the warpgroup kernel where it fits (see TrimulProjectKernel).
+  const std::int64_t x_ld = uniform_row_stride(p);
+  const std::optional<WgProjectLayout> wg_layout = wg_project_layout(p.c, sizeof(T), smem_limit);
+  const bool wg_fits = has_warpgroup_mma(device) && wg_layout.has_value() && x_ld >= p.c &&
+                       x_ld * static_cast<std::int64_t>(sizeof(T)) % 16 == 0 && is_aligned(p.x, 16) &&
+                       m <= std::numeric_limits<int>::max() - kWgTileRows;
+  bool use_wg = false;
+  switch (p.project_kernel) {
+    case TrimulProjectKernel::Auto: use_wg = wg_fits; break;
+    case TrimulProjectKernel::MmaSync: use_wg = false; break;
+    case TrimulProjectKernel::Warpgroup:
+      FUSEKIT_CHECK(wg_fits, kOp, ": the warpgroup projection kernel was asked for, and it needs an ",
+                    "sm_90a build on a compute capability 9.0 device, C <= ", kWgProjectMaxC,
+                    " and rows of x 16-byte aligned and evenly spaced (device ", device,
+                    has_warpgroup_mma(device) ? " has warpgroup MMAs" : " has no warpgroup MMAs",
+                    ", C = ", p.c, ", x strides ", p.x_stride[0], ", ", p.x_stride[1], ", ",
+                    p.x_stride[2], ")");
+      use_wg = true;
+      break;
+  }
+  const std::int64_t cp = use_wg ? wg_layout->cp : ceil_div(p.c, kKSlice) * kKSlice;
   const std::int64_t out_chunks = ceil_div(p.c, kOutCols), cpo = out_chunks * kOutCols;
   const std::int64_t ldn = ceil_div(p.n, 8) * 8, plane = p.n * ldn;
 
   // Kernel configurations first, so that an unsupported size fails before any work is queued.
-  const int smem_limit = max_shared_memory_per_block(device);
   // The tallest projection tile that leaves room for two blocks per multiprocessor (one block's
   // LayerNorm and stores overlap the other's matrix product), else the tallest that fits.
   const int smem_per_sm = shared_memory_per_multiprocessor(device);
@@ -742,7 +1215,7 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
       }
     }
   }
-  FUSEKIT_CHECK(project_mt > 0, kOp, ": C = ", p.c, " is too large for the CUDA backend (a tile ",
+  FUSEKIT_CHECK(use_wg || project_mt > 0, kOp, ": C = ", p.c, " is too large for the CUDA backend (a tile ",
                 "of 32 normalised rows needs ", ProjectSmem(32, cp).bytes(),
                 " bytes of shared memory; the device has ", smem_limit, ")");
   const OutputSmem out_layout(hp, p.h);
@@ -779,6 +1252,7 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   pack.hp = hp;
   pack.cpo = cpo;
   pack.chunks = chunks;
+  pack.by_projection = use_wg;
   pack.w5 = w5;
   pack.wo = wo;
   pack.ln = ln;
@@ -820,14 +1294,18 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   pa.gate = gate;
   pa.ldn = ldn;
   pa.plane = plane;
-  const auto launch_project = [&](auto kernel, int mt) {
-    launch_with_smem(kernel, ceil_div(m, 32 * mt), ProjectSmem(32 * mt, cp).bytes(), pa, stream,
-                     "launch of trimul project");
-  };
-  switch (project_mt) {
-    case 4: launch_project(project<T, 4>, 4); break;
-    case 2: launch_project(project<T, 2>, 2); break;
-    default: launch_project(project<T, 1>, 1); break;
+  if (use_wg) {
+    launch_wg_project<T>(p, *wg_layout, x_ld, pa, device, stream);
+  } else {
+    const auto launch_project = [&](auto kernel, int mt) {
+      launch_with_smem(kernel, ceil_div(m, 32 * mt), ProjectSmem(32 * mt, cp).bytes(), pa, stream,
+                       "launch of trimul project");
+    };
+    switch (project_mt) {
+      case 4: launch_project(project<T, 4>, 4); break;
+      case 2: launch_project(project<T, 2>, 2); break;
+      default: launch_project(project<T, 1>, 1); break;
+    }
   }
 
   pairwise(p, left, right, pp, ldn, plane, device, stream);

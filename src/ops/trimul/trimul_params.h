@@ -18,6 +18,12 @@ struct TrimulWeight {
 /// The five [H, C] projections in the order the backends pack them.
 enum TrimulProjection { kLeftProj, kRightProj, kLeftGate, kRightGate, kOutGate, kProjections };
 
+/// Which CUDA kernel computes the five projections. Auto: the warpgroup kernel where it fits
+/// (sm_90a builds on compute capability 9.0, rows of x 16-byte aligned and evenly spaced, C up
+/// to kWgProjectMaxC), else the mma.sync kernel, which takes every call. Naming one that does
+/// not fit is an error (for tests and benchmarks).
+enum class TrimulProjectKernel { Auto, MmaSync, Warpgroup };
+
 struct TrimulParams {
   std::int64_t b = 0, n = 0, c = 0, h = 0;
   DType dtype = DType::Float32;  // of x and out
@@ -37,11 +43,16 @@ struct TrimulParams {
 
   TrimulDirection direction = TrimulDirection::Outgoing;
   float eps = 1e-5f;
+  TrimulProjectKernel project_kernel = TrimulProjectKernel::Auto;
 
   /// Rows of x and out: B * N * N.
   std::int64_t rows() const { return b * n * n; }
 };
 
+/// Validates a call (as fusekit::trimul does) and describes it; b == 0 or n == 0 means there is
+/// nothing to compute.
+TrimulParams trimul_params(const TensorView& out, const TensorView& x, const TensorView& mask,
+                           const TrimulWeights& weights, const TrimulOptions& options);
 void trimul_cpu(const TrimulParams& p);
 void launch_trimul(const TrimulParams& p, int device, Stream stream);
 
