@@ -888,10 +888,12 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   WgProjectLayout l;
   l.cp = static_cast<int>(ceil_div(c, std::int64_t{kWgStepK}) * kWgStepK);
   l.x_boxes = static_cast<int>(ceil_div(c, std::int64_t{256}));  // a box is at most 256 wide
-  const int per16 = static_cast<int>(16 / element);
-  l.x_box_c = static_cast<int>(ceil_div(ceil_div(c, std::int64_t{l.x_boxes}), std::int64_t{per16}) * per16);
+  // Box rows of whole 32-byte pieces: a box of 4 or more rows is a whole number of 128 bytes, as
+  // the copy engine needs of where a box lands.
+  const int per32 = static_cast<int>(32 / element);
+  l.x_box_c = static_cast<int>(ceil_div(ceil_div(c, std::int64_t{l.x_boxes}), std::int64_t{per32}) * per32);
   const std::size_t row_bytes = std::size_t(l.x_boxes) * l.x_box_c * element;
-  l.x_rows = row_bytes * 16 <= 16384 ? 16 : 8;  // slots of at most 16 KiB where rows allow
+  l.x_rows = row_bytes * 16 <= 8192 ? 16 : row_bytes * 8 <= 8192 ? 8 : 4;  // slots of <= 8 KiB
   l.x_box_bytes = static_cast<std::uint32_t>(l.x_rows * l.x_box_c * element);
   const auto fits = [&](int x, int w) {
     WgProjectLayout t = l;
@@ -899,10 +901,14 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
     t.w_stages = w;
     return t.bytes() <= static_cast<std::size_t>(limit);
   };
+  // The x slots alternate between the warpgroups, so an even number of them gives each warpgroup
+  // slots of its own, every use of which it reads in turn. (With an odd number a warpgroup would
+  // wait on a slot whose previous use, by the other warpgroup, may not have landed yet, and the
+  // parity of its full barrier could not tell the two uses apart.)
   int x = 2, w = 2;
   if (!fits(x, w)) return std::nullopt;
   while (w < 4 && fits(x, w + 1)) ++w;  // weights first: the MMAs wait on them every step
-  while (x < 4 && fits(x + 1, w)) ++x;
+  if (fits(4, w)) x = 4;
   while (w < 8 && fits(x, w + 1)) ++w;
   l.x_stages = x;
   l.w_stages = w;
