@@ -578,13 +578,6 @@ struct WgProjectArgs {
 
 #ifdef FUSEKIT_WGMMA  // the device code of wg_project, compiled for sm_90a only
 
-// sigmoid(v) = (1 + tanh(v / 2)) / 2 on the hardware tanh: one special-function instruction where
-// exp and a reciprocal take two (its relative error, 2^-11, is that of the float16 results).
-__device__ __forceinline__ float fast_sigmoid(float v) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
-  return fmaf(0.5f, t, 0.5f);
-}
 
 // LayerNorm_C of rows r0, r0 + 4, r0 + 8 and r0 + 12 (those below x_rows) of an x slot into rows
 // a_row0 + ... of a warpgroup's swizzled A tile, by one warp; four rows at once, so that their
@@ -756,12 +749,12 @@ __device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsig
           const auto at = [&](int proj, int ee) { return acc[4 * (4 * proj + cb) + ee]; };
           const float mk = row_mask[r];
           stage_left[ch * kWgStagePitch + r] =
-              __float2half_rn(at(kLeftProj, e) * mk * fast_sigmoid(at(kLeftGate, e)));
+              __float2half_rn(at(kLeftProj, e) * mk * sigmoid(at(kLeftGate, e)));
           stage_right[ch * kWgStagePitch + r] =
-              __float2half_rn(at(kRightProj, e) * mk * fast_sigmoid(at(kRightGate, e)));
+              __float2half_rn(at(kRightProj, e) * mk * sigmoid(at(kRightGate, e)));
           if (e % 2 == 0) {  // channels ch and ch + 1 of row r, side by side
             *reinterpret_cast<__half2*>(stage_gate + r * kWgGatePitch + ch) = __floats2half2_rn(
-                fast_sigmoid(at(kOutGate, e)), fast_sigmoid(at(kOutGate, e + 1)));
+                sigmoid(at(kOutGate, e)), sigmoid(at(kOutGate, e + 1)));
           }
         }
       }
@@ -893,7 +886,7 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   const int per32 = static_cast<int>(32 / element);
   l.x_box_c = static_cast<int>(ceil_div(ceil_div(c, std::int64_t{l.x_boxes}), std::int64_t{per32}) * per32);
   const std::size_t row_bytes = std::size_t(l.x_boxes) * l.x_box_c * element;
-  l.x_rows = row_bytes * 16 <= 8192 ? 16 : row_bytes * 8 <= 8192 ? 8 : 4;  // slots of <= 8 KiB
+  l.x_rows = row_bytes * 16 <= 8192 ? 16 : row_bytes * 8 <= 12288 ? 8 : 4;  // slots of <= 12 KiB
   l.x_box_bytes = static_cast<std::uint32_t>(l.x_rows * l.x_box_c * element);
   const auto fits = [&](int x, int w) {
     WgProjectLayout t = l;
@@ -905,9 +898,10 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   // slots of its own, every use of which it reads in turn. (With an odd number a warpgroup would
   // wait on a slot whose previous use, by the other warpgroup, may not have landed yet, and the
   // parity of its full barrier could not tell the two uses apart.)
+  // Two slots a warpgroup where they fit (one leaves its LayerNorm waiting on every slot's
+  // copy), then as many weight slots as fit, up to 8.
   int x = 2, w = 2;
   if (!fits(x, w)) return std::nullopt;
-  while (w < 4 && fits(x, w + 1)) ++w;  // weights first: the MMAs wait on them every step
   if (fits(4, w)) x = 4;
   while (w < 8 && fits(x, w + 1)) ++w;
   l.x_stages = x;
