@@ -45,17 +45,15 @@ HostTensor run_cuda(const TrimulInputs& in, const TrimulCase& c, const TrimulLay
 // The same with the projection kernel named instead of chosen.
 HostTensor run_cuda_projecting(const TrimulInputs& in, const TrimulCase& c, ProjectKernel kernel,
                                const TrimulLayouts& layouts = {}) {
-  const TrimulTensors t = upload_trimul(in, c, kCuda, layouts);
-  fusekit::detail::synchronize(kCuda);
-  const TrimulOptions options{.direction = c.direction, .eps = c.eps};
-  fusekit::detail::TrimulParams p = fusekit::detail::trimul_params(
-      t.out.view, t.x.view, t.mask.view, t.weights.views(), options);
-  p.project_kernel = kernel;
-  fusekit::detail::launch_trimul(p, 0, {});
-  fusekit::detail::synchronize(kCuda);
-  expect_only_view_written(t.out, "out");
+  HostTensor got = run_trimul_checked_with(in, c, kCuda, layouts, [&](const TrimulTensors& t) {
+    const TrimulOptions options{.direction = c.direction, .eps = c.eps};
+    fusekit::detail::TrimulParams p = fusekit::detail::trimul_params(
+        t.out.view, t.x.view, t.mask.view, t.weights.views(), options);
+    p.project_kernel = kernel;
+    fusekit::detail::launch_trimul(p, 0, {});
+  });
   expect_device_ok();
-  return download_trimul(t);
+  return got;
 }
 
 void expect_matches_float64(const HostTensor& got, const TrimulInputs& in, const TrimulCase& c,

@@ -324,19 +324,27 @@ inline BroadcastTrimul upload_broadcast_trimul(const TrimulCase& c, std::mt19937
   return s;
 }
 
-/// One checked run on `device`: uploads the inputs, runs into a poisoned output, waits for the
-/// device, checks that nothing outside out's view was written, and returns out.
-inline HostTensor run_trimul_checked(const TrimulInputs& in, const TrimulCase& c, Device device,
-                                     const TrimulLayouts& layouts = {},
-                                     fusekit::Stream stream = {}) {
+/// One checked run on `device`: uploads the inputs, calls `run(tensors)` into a poisoned output,
+/// waits for the device, checks that nothing outside out's view was written, and returns out.
+template <typename Run>
+HostTensor run_trimul_checked_with(const TrimulInputs& in, const TrimulCase& c, Device device,
+                                   const TrimulLayouts& layouts, Run&& run) {
   const TrimulTensors t = upload_trimul(in, c, device, layouts);
-  // The uploads and the poison went through the legacy stream; a non-blocking `stream` is not
-  // ordered after them.
+  // The uploads and the poison went through the legacy stream; a call on a non-blocking stream
+  // is not ordered after them.
   fusekit::detail::synchronize(device);
-  run_trimul(t, c, stream);
+  run(t);
   fusekit::detail::synchronize(device);
   expect_only_view_written(t.out, "out");
   return download_trimul(t);
+}
+
+/// The same for fusekit::trimul on `stream`.
+inline HostTensor run_trimul_checked(const TrimulInputs& in, const TrimulCase& c, Device device,
+                                     const TrimulLayouts& layouts = {},
+                                     fusekit::Stream stream = {}) {
+  return run_trimul_checked_with(in, c, device, layouts,
+                                 [&](const TrimulTensors& t) { run_trimul(t, c, stream); });
 }
 
 // ------------------------------------------------------------------------------------ tolerances

@@ -368,6 +368,54 @@ __device__ __forceinline__ bool contiguous_tile(std::int64_t m0, int rows, std::
   return ldn == n && m0 + rows <= m && m0 / nn == (m0 + rows - 1) / nn;
 }
 
+// Writes a staged chunk of kRows rows (m0 on) by the channels d0 .. d0 + 31 (those below H) to
+// left and right (a channel's rows in its plane) and gate, by `threads` threads numbered `tid`.
+// left and right are staged channel by channel ([32][kRows + 8]), gate row by row
+// ([kRows][32 + 8]); `contiguous`: the rows lie back to back in their planes (contiguous_tile).
+template <int kRows>
+__device__ __forceinline__ void store_chunk(const ProjectArgs& a, const __half* stage_left,
+                                            const __half* stage_right, const __half* stage_gate,
+                                            const std::int64_t* row_base, std::int64_t m0,
+                                            std::int64_t d0, bool contiguous, int tid, int threads) {
+  const int channels = static_cast<int>(a.h - d0 < kChunkD ? a.h - d0 : kChunkD);
+  if (contiguous) {  // a channel's rows are one run of 16-byte pieces of its plane
+    constexpr int kPieces = kRows / 8;
+    for (int i = tid; i < channels * kPieces; i += threads) {
+      const int dl = i / kPieces, piece = i % kPieces;
+      const std::int64_t offset = row_base[0] + (d0 + dl) * a.plane + piece * 8;
+      const int from = dl * (kRows + 8) + piece * 8;
+      *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
+      *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
+    }
+  } else {
+    for (int i = tid; i < channels * kRows; i += threads) {
+      const int dl = i / kRows, r = i % kRows;
+      if (m0 + r < a.m) {
+        const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
+        a.left[offset] = stage_left[dl * (kRows + 8) + r];
+        a.right[offset] = stage_right[dl * (kRows + 8) + r];
+      }
+    }
+  }
+  if (a.h % 8 == 0) {  // channels is a multiple of 8 too
+    const int pieces = channels / 8;
+    for (int i = tid; i < kRows * pieces; i += threads) {
+      const int r = i / pieces, piece = i % pieces;
+      if (m0 + r < a.m) {
+        *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
+            *reinterpret_cast<const uint4*>(stage_gate + r * (kChunkD + 8) + piece * 8);
+      }
+    }
+  } else {
+    for (int i = tid; i < kRows * kChunkD; i += threads) {
+      const int r = i / kChunkD, dl = i % kChunkD;
+      if (dl < channels && m0 + r < a.m) {
+        a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
+      }
+    }
+  }
+}
+
 template <typename T, int MT>
 __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
   constexpr int kRows = 32 * MT;
@@ -450,7 +498,6 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
   // (gemm_chunks synchronises before its first use of As and before overwriting the x stage)
 
   const bool contiguous = contiguous_tile(m0, kRows, a.m, a.n, a.ldn);
-  const bool gate_vec = a.h % 8 == 0;
   gemm_chunks<MT, kProjNT>(
       As, layout.lda, Bs, a.w5, a.cp, a.chunks, static_cast<int>(a.cp / kKSlice),
       [&](int chunk, const float (&acc)[MT][kProjNT][4]) {
@@ -473,45 +520,8 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
           }
         }
         __syncthreads();
-        const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
-        const int channels = static_cast<int>((a.h - d0 < kChunkD ? a.h - d0 : kChunkD));
-        // left and right: a channel's rows are consecutive in its plane
-        if (contiguous) {
-          constexpr int kPieces = kRows / 8;  // of 16 bytes per channel
-          for (int i = tid; i < channels * kPieces; i += kThreads) {
-            const int dl = i / kPieces, piece = i % kPieces;
-            const std::int64_t offset = row_base[0] + (d0 + dl) * a.plane + piece * 8;
-            const int from = dl * (kRows + 8) + piece * 8;
-            *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
-            *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
-          }
-        } else {
-          for (int i = tid; i < channels * kRows; i += kThreads) {
-            const int dl = i / kRows, r = i % kRows;
-            if (m0 + r < a.m) {
-              const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
-              a.left[offset] = stage_left[dl * (kRows + 8) + r];
-              a.right[offset] = stage_right[dl * (kRows + 8) + r];
-            }
-          }
-        }
-        if (gate_vec) {  // channels is a multiple of 8 too
-          const int pieces = channels / 8;
-          for (int i = tid; i < kRows * pieces; i += kThreads) {
-            const int r = i / pieces, piece = i % pieces;
-            if (m0 + r < a.m) {
-              *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
-                  *reinterpret_cast<const uint4*>(stage_gate + r * (kChunkD + 8) + piece * 8);
-            }
-          }
-        } else {
-          for (int i = tid; i < kRows * kChunkD; i += kThreads) {
-            const int r = i / kChunkD, dl = i % kChunkD;
-            if (dl < channels && m0 + r < a.m) {
-              a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
-            }
-          }
-        }
+        store_chunk<kRows>(a, stage_left, stage_right, stage_gate, row_base, m0,
+                           static_cast<std::int64_t>(chunk) * kChunkD, contiguous, tid, kThreads);
       });
 }
 
@@ -534,6 +544,7 @@ constexpr int kWgChunkCols = kProjections * kChunkD;  // 160 weight rows a chunk
 constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
 constexpr int kWgStagePitch = 64 + 8;      // halves per staged channel of left and right
 constexpr int kWgGatePitch = kChunkD + 8;  // halves per staged row of gate
+static_assert(kWgStagePitch == 64 + 8 && kWgGatePitch == kChunkD + 8, "store_chunk<64>'s stage");
 constexpr std::size_t kWgStageBytes = (2 * kChunkD * kWgStagePitch + 64 * kWgGatePitch) * 2;
 constexpr std::int64_t kWgProjectMaxC = 384;
 
@@ -560,21 +571,6 @@ struct WgProjectLayout {
   }
 };
 
-struct WgProjectArgs {
-  WgProjectLayout layout;
-  const void* mask;  // or null
-  DType mask_dtype;
-  std::int64_t mask_stride[3];
-  std::int64_t m, n, c, h;
-  int chunks, tiles;
-  const float* ln_weight;
-  const float* ln_bias;
-  float eps;
-  __half* left;  // planes [B, H] of [N, ldn]
-  __half* right;
-  __half* gate;  // [M, H]
-  std::int64_t ldn, plane;
-};
 
 #ifdef FUSEKIT_WGMMA  // the device code of wg_project, compiled for sm_90a only
 
@@ -662,10 +658,10 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
 
 // A consumer warpgroup of wg_project, for every tile of the block.
 template <typename T, int kQuads>
-__device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsigned char* base,
+__device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const WgProjectLayout& l,
+                                                   int tiles, unsigned char* base,
                                                    std::uint64_t* w_full, std::uint64_t* w_empty,
                                                    std::uint64_t* x_full, std::uint64_t* x_empty) {
-  const WgProjectLayout& l = a.layout;
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   unsigned char* const a_tile = base + l.a(wg);
   const std::uint64_t desc_a = swizzled_descriptor(a_tile);
@@ -688,7 +684,7 @@ __device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsig
   }
   int step = 0;  // weight slots consumed
   int it = 0;    // tiles done
-  for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x, ++it) {
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++it) {
     const std::int64_t m0 = static_cast<std::int64_t>(tile) * kWgTileRows + 64 * wg;
     if (tid < 64) {
       const std::int64_t m = m0 + tid;
@@ -759,41 +755,8 @@ __device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsig
         }
       }
       named_barrier_sync(1 + wg, 128);
-      const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
-      const int channels = static_cast<int>(a.h - d0 < kChunkD ? a.h - d0 : kChunkD);
-      if (contiguous) {  // a channel's 64 rows are one 128-byte run of its plane
-        for (int i = tid; i < channels * 8; i += 128) {
-          const int dl = i / 8, piece = i % 8;
-          const std::int64_t offset = row_base[0] + (d0 + dl) * a.plane + piece * 8;
-          const int from = dl * kWgStagePitch + piece * 8;
-          *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
-          *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
-        }
-      } else {
-        for (int i = tid; i < channels * 64; i += 128) {
-          const int dl = i / 64, r = i % 64;
-          if (m0 + r < a.m) {
-            const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
-            a.left[offset] = stage_left[dl * kWgStagePitch + r];
-            a.right[offset] = stage_right[dl * kWgStagePitch + r];
-          }
-        }
-      }
-      if (a.h % 8 == 0) {  // channels is a multiple of 8 too
-        const int pieces = channels / 8;
-        for (int i = tid; i < 64 * pieces; i += 128) {
-          const int r = i / pieces, piece = i % pieces;
-          if (m0 + r < a.m) {
-            *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
-                *reinterpret_cast<const uint4*>(stage_gate + r * kWgGatePitch + piece * 8);
-          }
-        }
-      } else {
-        for (int i = tid; i < 64 * channels; i += 128) {
-          const int r = i / channels, dl = i % channels;
-          if (m0 + r < a.m) a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * kWgGatePitch + dl];
-        }
-      }
+      store_chunk<64>(a, stage_left, stage_right, stage_gate, row_base, m0,
+                      static_cast<std::int64_t>(chunk) * kChunkD, contiguous, tid, 128);
       named_barrier_sync(1 + wg, 128);  // the stage, masks and offsets are free again
     }
   }
@@ -804,9 +767,8 @@ __device__ __forceinline__ void wg_project_consume(const WgProjectArgs& a, unsig
 template <typename T, int kQuads>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_project(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
-               const WgProjectArgs a) {
+               const ProjectArgs a, const WgProjectLayout l, int tiles) {
 #ifdef FUSEKIT_WGMMA
-  const WgProjectLayout& l = a.layout;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes), by pointer
   // arithmetic on the shared array, so that accesses stay shared-memory instructions.
@@ -835,12 +797,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __syncthreads();
 
   if (warp < 8) {
-    wg_project_consume<T, kQuads>(a, base, w_full, w_empty, x_full, x_empty);
+    wg_project_consume<T, kQuads>(a, l, tiles, base, w_full, w_empty, x_full, x_empty);
   } else if (warp == 8 && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
     int step = 0;
-    for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       for (int chunk = 0; chunk < a.chunks; ++chunk) {
         for (int kb = 0; kb < kbs; ++kb, ++step) {
           const int slot = step % l.w_stages;
@@ -855,7 +817,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     prefetch_tensor_map(&x_map);
     const int groups = kWgTileRows / l.x_rows;
     int xs = 0;
-    for (int tile = blockIdx.x; tile < a.tiles; tile += gridDim.x) {
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       for (int g = 0; g < groups; ++g, ++xs) {
         const int slot = xs % l.x_stages;
         if (xs >= l.x_stages) mbarrier_wait(&x_empty[slot], (xs / l.x_stages - 1) & 1);
@@ -1141,32 +1103,15 @@ void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std
                                                                              : wg_project<T, 3>;
   static std::atomic<bool> allowed[3][kMaxDevices];
   allow_shared_memory(kernel, static_cast<std::size_t>(max_shared_memory_per_block(device)), device,
-                      allowed[(layout.cp - 1) / 128], true, [] { return concat(kOp, ": the warpgroup projection kernel"); });
-  WgProjectArgs a{};
-  a.layout = layout;
-  a.mask = pa.mask;
-  a.mask_dtype = pa.mask_dtype;
-  for (int d = 0; d < 3; ++d) a.mask_stride[d] = pa.mask_stride[d];
-  a.m = pa.m;
-  a.n = pa.n;
-  a.c = pa.c;
-  a.h = pa.h;
-  a.chunks = pa.chunks;
-  a.tiles = static_cast<int>(ceil_div(pa.m, std::int64_t{kWgTileRows}));
-  a.ln_weight = pa.ln_weight;
-  a.ln_bias = pa.ln_bias;
-  a.eps = pa.eps;
-  a.left = pa.left;
-  a.right = pa.right;
-  a.gate = pa.gate;
-  a.ldn = pa.ldn;
-  a.plane = pa.plane;
+                      allowed[(layout.cp - 1) / 128], true,
+                      [] { return concat(kOp, ": the warpgroup projection kernel"); });
+  const int tiles = static_cast<int>(ceil_div(pa.m, std::int64_t{kWgTileRows}));
   const CUtensorMap w_map = make_tensor_map_2d(kOp, DType::Float16, pa.w5, pa.chunks * kWgChunkCols,
                                                layout.cp, layout.cp, kWgChunkCols);
   const CUtensorMap x_map = make_tensor_map_rows(kOp, p.dtype, p.x, pa.m, p.c, x_ld, layout.x_rows,
                                                  layout.x_box_c);
-  const int blocks = std::min(a.tiles, multiprocessor_count(device));
-  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(w_map, x_map, a);
+  const int blocks = std::min(tiles, multiprocessor_count(device));
+  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(w_map, x_map, pa, layout, tiles);
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
 }
 
