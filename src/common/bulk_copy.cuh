@@ -78,6 +78,18 @@ __device__ __forceinline__ void tensor_copy_2d_to_shared(void* dst, const CUtens
       : "memory");
 }
 
+/// The same for a 4-D map, the box at (`c0`, `c1`, `c2`, `c3`), innermost first.
+__device__ __forceinline__ void tensor_copy_4d_to_shared(void* dst, const CUtensorMap* map, int c0,
+                                                         int c1, int c2, int c3,
+                                                         std::uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(shared_address(bar))
+      : "memory");
+}
+
 /// Fetches `map` (a __grid_constant__ kernel parameter) into the copy engine's cache ahead of use.
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");

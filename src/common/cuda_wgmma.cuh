@@ -1,5 +1,5 @@
 // Warpgroup tensor-core building blocks (sm_90a): wgmma with both operands in shared memory
-// (float16 or bfloat16) or with A in registers (float16), float32 accumulation. Call only from
+// (float16 or bfloat16) or with A in registers, float32 accumulation. Call only from
 // kernels a launcher runs where has_warpgroup_mma(device) holds; compiled for any other target
 // the MMA traps.
 //
@@ -44,6 +44,18 @@ __device__ __forceinline__ std::uint64_t swizzled_descriptor(const void* smem) {
          | (std::uint64_t{1} << 62);   // 128-byte swizzle
 }
 
+/// Descriptor of a 128-byte-swizzled N-major (MN-major) B operand at `smem`: rows of k, each
+/// 64 consecutive n (128 bytes), 8-row atoms 1024 bytes apart along k, and n 64 .. 127 in a
+/// further such block `next_n_bytes` on (a multiple of 16, below 256 KiB).
+__device__ __forceinline__ std::uint64_t mn_major_descriptor(const void* smem,
+                                                             std::uint32_t next_n_bytes) {
+  const std::uint64_t address = shared_address(smem);
+  return ((address & 0x3FFFF) >> 4)                        // start address
+         | (std::uint64_t{(next_n_bytes >> 4) & 0x3FFF} << 16)  // leading byte offset: along n
+         | (std::uint64_t{1024 >> 4} << 32)                // stride byte offset: 8 rows of k
+         | (std::uint64_t{1} << 62);                       // 128-byte swizzle
+}
+
 /// `descriptor` moved on by `bytes` (a multiple of 16): the start address is its low field, and
 /// shared-memory addresses never carry out of it.
 __device__ __forceinline__ std::uint64_t advance_descriptor(std::uint64_t descriptor,
@@ -68,6 +80,23 @@ __device__ __forceinline__ void wgmma_wait() {
 #ifdef FUSEKIT_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
 #endif
+}
+
+/// Makes the compiler take `regs` as read and written at this point: placed after a wait, it
+/// keeps reads of a warpgroup MMA's accumulators from moving above the wait, and the registers of
+/// its A operand from being reused before it.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&regs)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(regs[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&regs)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(regs[i][j])::"memory");
+  }
 }
 
 // The accumulators of one MMA as asm operands (d[o] .. d[o + 7] and so on), and their names
@@ -103,11 +132,11 @@ __device__ __forceinline__ void wgmma_wait() {
                "{" FUSEKIT_WGMMA_REGS##NREGS "}, %" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"         \
                : FUSEKIT_WGMMA_ACC##NREGS(d, 0)                                                 \
                : "l"(a), "l"(b), "r"(scale_d))
-#define FUSEKIT_WGMMA_RS(N, NREGS, TYPE, A0, A1, A2, A3, B, P)                                  \
+#define FUSEKIT_WGMMA_RS(N, NREGS, TYPE, A0, A1, A2, A3, B, P, TRANS_B)                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                  \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "               \
                "{" FUSEKIT_WGMMA_REGS##NREGS "}, {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, "     \
-               "%" #B ", p, 1, 1, 0;\n}\n"                                                     \
+               "%" #B ", p, 1, 1, " #TRANS_B ";\n}\n"                                          \
                : FUSEKIT_WGMMA_ACC##NREGS(d, 0)                                                  \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 
@@ -144,18 +173,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std
 #endif
 }
 
-/// d (+)= a [64, 16] b [16, N] for N = 64 or 128, float16 operands, A from registers (the
-/// mma.m16n8k16 A fragment of the thread's warp); `accumulate` false overwrites d.
-template <int N>
-__device__ __forceinline__ void wgmma_f16_rs(float (&d)[N / 2], const std::uint32_t (&a)[4],
-                                             std::uint64_t b, bool accumulate) {
+/// d (+)= a [64, 16] b [16, N] for N = 64 or 128, T __half or __nv_bfloat16, A from registers
+/// (the mma.m16n8k16 A fragment of the thread's warp); `accumulate` false overwrites d. B is
+/// K-major (see above), or with kMnMajorB N-major: rows of 16 k each holding 64 consecutive n
+/// (128 bytes) in 128-byte-swizzled atoms of 8 k, the next 8 k 1024 bytes on and n beyond 64 in a
+/// further block `b`'s leading byte offset away (see mn_major_descriptor).
+template <typename T, int N, bool kMnMajorB = false>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const std::uint32_t (&a)[4],
+                                         std::uint64_t b, bool accumulate) {
   static_assert(N == 64 || N == 128);
 #ifdef FUSEKIT_WGMMA
   const int scale_d = accumulate ? 1 : 0;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 64) {
-    FUSEKIT_WGMMA_RS(64, 32, "f16", 32, 33, 34, 35, 36, 37);
+    if constexpr (kBf16 && kMnMajorB) FUSEKIT_WGMMA_RS(64, 32, "bf16", 32, 33, 34, 35, 36, 37, 1);
+    else if constexpr (kBf16) FUSEKIT_WGMMA_RS(64, 32, "bf16", 32, 33, 34, 35, 36, 37, 0);
+    else if constexpr (kMnMajorB) FUSEKIT_WGMMA_RS(64, 32, "f16", 32, 33, 34, 35, 36, 37, 1);
+    else FUSEKIT_WGMMA_RS(64, 32, "f16", 32, 33, 34, 35, 36, 37, 0);
   } else {
-    FUSEKIT_WGMMA_RS(128, 64, "f16", 64, 65, 66, 67, 68, 69);
+    if constexpr (kBf16 && kMnMajorB) FUSEKIT_WGMMA_RS(128, 64, "bf16", 64, 65, 66, 67, 68, 69, 1);
+    else if constexpr (kBf16) FUSEKIT_WGMMA_RS(128, 64, "bf16", 64, 65, 66, 67, 68, 69, 0);
+    else if constexpr (kMnMajorB) FUSEKIT_WGMMA_RS(128, 64, "f16", 64, 65, 66, 67, 68, 69, 1);
+    else FUSEKIT_WGMMA_RS(128, 64, "f16", 64, 65, 66, 67, 68, 69, 0);
   }
 #else
   __trap();

@@ -25,10 +25,36 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-// Encodes a 2-D map; the checks of the public functions come first.
-CUtensorMap encode(const char* what, DType dtype, const void* base, std::int64_t rows,
-                   std::int64_t cols, std::int64_t ld, int box_rows, int box_cols,
+CUtensorMapDataType data_type(const char* what, DType dtype) {
+  switch (dtype) {
+    case DType::Float32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    case DType::Float16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::BFloat16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    default: throw Error(concat(what, ": no tensor map of ", to_string(dtype), " elements"));
+  }
+}
+
+// Encodes a map of `rank` dims (innermost first; strides in bytes of dims 1 .. rank - 1) after
+// the public functions' checks.
+CUtensorMap encode(const char* what, DType dtype, const void* base, int rank,
+                   const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
                    CUtensorMapSwizzle swizzle) {
+  CUtensorMap map{};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = encoder()(&map, data_type(what, dtype), static_cast<cuuint32_t>(rank),
+                                    const_cast<void*>(base), dims, strides, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FUSEKIT_CHECK(status == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed with CUresult ",
+                static_cast<int>(status), " (", rank, "-d, innermost ", dims[0], " elements)");
+  return map;
+}
+
+// A 2-D map after its checks.
+CUtensorMap encode_2d(const char* what, DType dtype, const void* base, std::int64_t rows,
+                      std::int64_t cols, std::int64_t ld, int box_rows, int box_cols,
+                      CUtensorMapSwizzle swizzle) {
   const auto size = static_cast<std::int64_t>(element_size(dtype));
   FUSEKIT_CHECK(reinterpret_cast<std::uintptr_t>(base) % 16 == 0 && ld * size % 16 == 0 &&
                     ld >= cols && rows >= 1 && cols >= 1 && box_rows >= 1 && box_rows <= 256 &&
@@ -36,25 +62,10 @@ CUtensorMap encode(const char* what, DType dtype, const void* base, std::int64_t
                 what, ": a tensor map needs a 16-byte aligned base and rows a multiple of 16 bytes "
                       "apart (ld ", ld, " elements of ", size, " bytes, ", rows, " x ", cols,
                 ", box ", box_rows, " x ", box_cols, ")");
-  CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  switch (dtype) {
-    case DType::Float32: type = CU_TENSOR_MAP_DATA_TYPE_FLOAT32; break;
-    case DType::Float16: type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16; break;
-    case DType::BFloat16: type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16; break;
-    default: throw Error(concat(what, ": no tensor map of ", to_string(dtype), " elements"));
-  }
-  CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * size)};  // bytes, of the outer axis
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * size)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status =
-      encoder()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  FUSEKIT_CHECK(status == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed with CUresult ",
-                static_cast<int>(status), " (", rows, " x ", cols, ", ld ", ld, ")");
-  return map;
+  return encode(what, dtype, base, 2, dims, strides, box, swizzle);
 }
 
 }  // namespace
@@ -63,12 +74,44 @@ CUtensorMap make_tensor_map_2d(const char* what, DType dtype, const void* base, 
                                std::int64_t cols, std::int64_t ld, int box_rows) {
   FUSEKIT_CHECK(dtype == DType::Float16 || dtype == DType::BFloat16, what,
                 ": a swizzled tensor map of 16-bit elements was asked for ", to_string(dtype));
-  return encode(what, dtype, base, rows, cols, ld, box_rows, 64, CU_TENSOR_MAP_SWIZZLE_128B);
+  return encode_2d(what, dtype, base, rows, cols, ld, box_rows, 64, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 CUtensorMap make_tensor_map_rows(const char* what, DType dtype, const void* base, std::int64_t rows,
                                  std::int64_t cols, std::int64_t ld, int box_rows, int box_cols) {
-  return encode(what, dtype, base, rows, cols, ld, box_rows, box_cols, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return encode_2d(what, dtype, base, rows, cols, ld, box_rows, box_cols,
+                   CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, const void* base,
+                                              const std::int64_t (&dims)[4],
+                                              const std::int64_t (&strides)[3], int box_rows) {
+  FUSEKIT_CHECK(dtype == DType::Float16 || dtype == DType::BFloat16, what,
+                ": a swizzled tensor map of 16-bit elements was asked for ", to_string(dtype));
+  FUSEKIT_CHECK(box_rows >= 1 && box_rows <= 256, what, ": a box of ", box_rows,
+                " rows (at most 256)");
+  const auto size = static_cast<std::int64_t>(element_size(dtype));
+  if (reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return std::nullopt;
+  for (int i = 0; i < 4; ++i) {
+    if (dims[i] < 1 || dims[i] > (std::int64_t{1} << 32)) return std::nullopt;
+  }
+  cuuint64_t s[3];
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t bytes = strides[i] * size;
+    if (strides[i] <= 0 || bytes % 16 != 0 || bytes >= (std::int64_t{1} << 40)) return std::nullopt;
+    s[i] = static_cast<cuuint64_t>(bytes);
+  }
+  const cuuint64_t d[4] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
+                           static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  CUtensorMap map{};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = encoder()(&map, data_type(what, dtype), 4, const_cast<void*>(base), d, s,
+                                    box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) return std::nullopt;
+  return map;
 }
 
 }  // namespace fusekit::detail

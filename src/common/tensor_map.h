@@ -1,11 +1,14 @@
-// Tensor maps for the copy engine (sm_90 `cp.async.bulk.tensor`) over a 2-D row-major matrix:
-// boxes of 16-bit elements whose rows are 128-byte swizzled (the layout warpgroup MMAs take from
-// shared memory, see cuda_wgmma.cuh), and plain boxes of whole rows for operands read by threads.
+// Tensor maps for the copy engine (sm_90 `cp.async.bulk.tensor`) over a 2-D row-major matrix or
+// a 4-D strided tensor: boxes of 16-bit elements whose rows are 128-byte swizzled (the layout
+// warpgroup MMAs take from shared memory, see cuda_wgmma.cuh), and plain boxes of whole rows for
+// operands read by threads.
 #pragma once
 
 #include <cuda.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "fusekit/tensor.h"
 
@@ -24,5 +27,15 @@ CUtensorMap make_tensor_map_2d(const char* what, DType dtype, const void* base, 
 /// 16-byte aligned and rows a multiple of 16 bytes apart (checked).
 CUtensorMap make_tensor_map_rows(const char* what, DType dtype, const void* base, std::int64_t rows,
                                  std::int64_t cols, std::int64_t ld, int box_rows, int box_cols);
+
+/// The map of a 4-D tensor of float16 or bfloat16 with `dims` given innermost first (the first
+/// contiguous) and `strides` (in elements) of the other three, read in boxes of 64 elements
+/// (128 bytes, swizzled by 128 bytes) by `box_rows` of the second axis by 1 by 1; parts of a box
+/// outside the tensor read as zeros. Empty when the tensor does not fit a map: a base not 16-byte
+/// aligned, strides that are not positive multiples of 16 bytes below 2^40 bytes, or a layout
+/// the driver refuses.
+std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, const void* base,
+                               const std::int64_t (&dims)[4], const std::int64_t (&strides)[3],
+                               int box_rows);
 
 }  // namespace fusekit::detail

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/memory.h"
+#include "ops/causal_attention/causal_attention_params.h"
 #include "ops/causal_attention/causal_attention_reference.h"
 #include "test_support.h"
 
@@ -41,7 +42,19 @@ struct AttentionCase {
   std::optional<double> scale = {};  // of the scores; default 1 / sqrt(D)
   double q_stddev = 1.0;             // larger values sharpen the softmax
   bool allow_tf32 = false;           // CausalAttentionOptions::allow_tf32
+  // The CUDA kernel: Auto runs fusekit::causal_attention; the CUDA suite runs a named one through
+  // the library's internal parameters.
+  fusekit::detail::AttentionKernel kernel = fusekit::detail::AttentionKernel::Auto;
 };
+
+inline std::string kernel_name(fusekit::detail::AttentionKernel k) {
+  switch (k) {
+    case fusekit::detail::AttentionKernel::Auto: return "auto";
+    case fusekit::detail::AttentionKernel::MmaSync: return "mma_sync";
+    case fusekit::detail::AttentionKernel::Warpgroup: return "warpgroup";
+  }
+  return "unknown";
+}
 
 /// The count of PaddingKind::All.
 inline std::int64_t pad_all_of(const AttentionCase& c) { return c.pad.empty() ? 0 : c.pad[0]; }
@@ -72,6 +85,7 @@ inline std::string attention_case_name(const AttentionCase& c) {
   if (c.q_stddev != 1.0) s += "_qsd" + std::to_string(static_cast<int>(std::round(c.q_stddev)));
   s += "_" + dtype_name(c.dtype);
   if (c.allow_tf32) s += "_tf32";
+  if (c.kernel != fusekit::detail::AttentionKernel::Auto) s += "_" + kernel_name(c.kernel);
   return s;
 }
 
@@ -317,18 +331,28 @@ inline CausalAttentionResult download_attention(const AttentionTensors& t, const
   return r;
 }
 
-/// One checked run on `device`: uploads the inputs, runs into poisoned outputs, waits for the
-/// device, checks that nothing outside the outputs' views was written, and returns them.
-inline CausalAttentionResult run_attention_checked(const AttentionInputs& in,
-                                                   const AttentionCase& c, Device device,
-                                                   const AttentionLayouts& layouts = {},
-                                                   fusekit::Stream stream = {}) {
+/// One checked run on `device`: uploads the inputs, calls `run(tensors)` into poisoned outputs,
+/// waits for the device, checks that nothing outside the outputs' views was written, and returns
+/// them.
+template <typename Run>
+CausalAttentionResult run_attention_checked_with(const AttentionInputs& in, const AttentionCase& c,
+                                                 Device device, const AttentionLayouts& layouts,
+                                                 Run&& run) {
   const AttentionTensors t = upload_attention(in, c, device, layouts);
-  run_attention(t, c, stream);
+  run(t);
   fusekit::detail::synchronize(device);
   expect_only_view_written(t.out, "out");
   expect_only_view_written(t.lse, "lse");
   return download_attention(t, c);
+}
+
+/// The same for fusekit::causal_attention on `stream`.
+inline CausalAttentionResult run_attention_checked(const AttentionInputs& in,
+                                                   const AttentionCase& c, Device device,
+                                                   const AttentionLayouts& layouts = {},
+                                                   fusekit::Stream stream = {}) {
+  return run_attention_checked_with(in, c, device, layouts,
+                                    [&](const AttentionTensors& t) { run_attention(t, c, stream); });
 }
 
 /// Padding rows exactly as promised: out +0 (not -0, not NaN, not a small number) and lse -inf.

@@ -5,8 +5,9 @@
 // buffer too), sharp and flat softmaxes and scores that rise across every block of keys; at
 // T = 4096 against the CPU backend on the same inputs. NaN fills every padding row of q, k and v;
 // out and lse start as NaN and are checked for writes outside their views. Also empty inputs, lse
-// left out, bitwise determinism, streams and CUDA-graph capture. Every test skips with "no CUDA
-// device" where there is none.
+// left out, bitwise determinism, streams and CUDA-graph capture; each half-precision kernel by
+// name (the warpgroup kernel where the device runs it, an error where not or where the layout
+// does not fit). Every test skips with "no CUDA device" where there is none.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "causal_attention_support.h"
+#include "common/cuda_check.h"
 #include "cuda_test_support.h"
 
 namespace {
@@ -31,6 +33,7 @@ constexpr Device kCpu = Device::cpu();
 constexpr Device kCuda = Device::cuda(0);
 constexpr auto kAll = PaddingKind::All;
 constexpr auto kPerSeq = PaddingKind::PerSequence;
+using fusekit::detail::AttentionKernel;
 
 // The four ways the CUDA backend multiplies: float32 (float32 accuracy), float32 with TF32, and
 // the two half-precision dtypes.
@@ -56,11 +59,29 @@ void PrintTo(const Precision& p, std::ostream* os) { *os << precision_name(p); }
 
 // ------------------------------------------------------------------------------------ checks
 
+// The call of case c: fusekit::causal_attention, or the kernel c names through the internal
+// parameters (validated as the public call validates them).
+void run_named(const AttentionTensors& t, const AttentionCase& c) {
+  if (c.kernel == AttentionKernel::Auto) {
+    run_attention(t, c);
+    return;
+  }
+  CausalAttentionOptions options;
+  options.scale = c.scale;
+  options.allow_tf32 = c.allow_tf32;
+  fusekit::detail::CausalAttentionParams p = fusekit::detail::causal_attention_params(
+      t.out.view, t.lse.view, t.q.view, t.k.view, t.v.view, t.padding(), options);
+  if (p.b == 0 || p.t == 0) return;
+  p.kernel = c.kernel;
+  fusekit::detail::launch_causal_attention(p, t.q.view.device.index, {});
+}
+
 // One CUDA call into poisoned outputs, checked for writes outside their views; then no error may
 // be left on the device.
 CausalAttentionResult run_cuda(const AttentionInputs& in, const AttentionCase& c,
                                const AttentionLayouts& layouts = {}) {
-  CausalAttentionResult got = run_attention_checked(in, c, kCuda, layouts);
+  CausalAttentionResult got = run_attention_checked_with(
+      in, c, kCuda, layouts, [&](const AttentionTensors& t) { run_named(t, c); });
   expect_device_ok();
   return got;
 }
@@ -192,6 +213,88 @@ INSTANTIATE_TEST_SUITE_P(All, AttentionCudaLong,
                            return attention_case_name(
                                with_precision(std::get<1>(info.param), std::get<0>(info.param)));
                          });
+
+// ------------------------------------------------------------------------------------ kernels
+
+// Each kernel of the half-precision path by name (the warpgroup kernel runs only on compute
+// capability 9.0 with an sm_90a build, and elsewhere naming it is an error): one row and one
+// token, T around its 128-row tiles, padding of T - 1 and T, grouped-query heads, few blocks
+// (keys split between warpgroups) and many, and GPT-2's shape padded by 100.
+const AttentionCase kKernelCases[] = {
+    {1, 1, 1, 1, 64},
+    {1, 1, 1, 1, 128, kAll, {1}},
+    {2, 8, 2, 64, 64, kAll, {63}},
+    {3, 3, 3, 65, 64, kPerSeq, {}},
+    {2, 4, 2, 127, 128, kPerSeq, {0, 126}},
+    {3, 1, 1, 129, 64, kAll, {127}},
+    {5, 1, 1, 200, 128, kPerSeq, {200, 0, 1, 128, 129}},
+    {2, 3, 1, 1000, 64, kPerSeq, {}},
+    {1, 1, 1, 1000, 128, kAll, {0}},
+    {3, 100, 20, 129, 64, kPerSeq, {}},
+    {2, 50, 5, 200, 128, kAll, {1}},
+    {2, 12, 4, 1024, 64, kPerSeq, {}},
+    {1, 12, 12, 1024, 64, kAll, {100}},
+};
+
+constexpr Precision kHalfPrecisions[] = {{DType::BFloat16, false}, {DType::Float16, false}};
+constexpr AttentionKernel kKernels[] = {AttentionKernel::MmaSync, AttentionKernel::Warpgroup};
+
+class AttentionCudaKernels
+    : public CudaTest<::testing::TestWithParam<
+          std::tuple<Precision, AttentionKernel, AttentionCase>>> {};
+
+TEST_P(AttentionCudaKernels, MatchesFloat64) {
+  const auto [precision, kernel, k] = GetParam();
+  AttentionCase c = with_precision(k, precision);
+  c.kernel = kernel;
+  if (kernel == AttentionKernel::Warpgroup && !fusekit::detail::has_warpgroup_mma(0)) {
+    const AttentionInputs in = make_attention_inputs(c, rng_);
+    const AttentionTensors t = upload_attention(in, c, kCuda);
+    EXPECT_THROW(run_named(t, c), fusekit::Error);
+    GTEST_SKIP() << "this device runs no warpgroup MMAs (the error was checked)";
+  }
+  check_cuda(c, rng_);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, AttentionCudaKernels,
+                         ::testing::Combine(::testing::ValuesIn(kHalfPrecisions),
+                                            ::testing::ValuesIn(kKernels),
+                                            ::testing::ValuesIn(kKernelCases)),
+                         [](const auto& info) {
+                           AttentionCase c =
+                               with_precision(std::get<2>(info.param), std::get<0>(info.param));
+                           c.kernel = std::get<1>(info.param);
+                           return attention_case_name(c);
+                         });
+
+// The warpgroup kernel named where it does not fit: float32, D other than 64 and 128, rows that
+// are not 16-byte aligned, negative strides: a clear error.
+class AttentionCudaNamedKernel : public CudaTest<> {};
+
+TEST_F(AttentionCudaNamedKernel, WarpgroupKernelThatDoesNotFitIsAnError) {
+  struct Misfit {
+    AttentionCase c;
+    AttentionLayouts layouts;
+  };
+  AttentionCase f32{1, 2, 2, 100, 64, kAll, {3}};
+  AttentionCase d32{1, 2, 2, 100, 32, kAll, {3}, DType::BFloat16};
+  AttentionCase misaligned{1, 2, 2, 100, 64, kAll, {3}, DType::Float16};
+  AttentionLayouts odd_rows;
+  odd_rows.q = Layout{{}, 1, 0};  // rows 65 elements apart
+  AttentionCase flipped{2, 2, 2, 100, 128, kAll, {3}, DType::BFloat16};
+  AttentionLayouts flip;
+  flip.flip_dim = 2;
+  for (const Misfit& m : {Misfit{f32, {}}, Misfit{d32, {}}, Misfit{misaligned, odd_rows},
+                          Misfit{flipped, flip}}) {
+    AttentionCase c = m.c;
+    c.kernel = AttentionKernel::Warpgroup;
+    SCOPED_TRACE(attention_case_name(c));
+    const AttentionInputs in = make_attention_inputs(c, rng_);
+    const AttentionTensors t = upload_attention(in, c, kCuda, m.layouts);
+    EXPECT_ERROR_CONTAINS("the warpgroup kernel was asked for", [&] { run_named(t, c); });
+    expect_device_ok();
+  }
+}
 
 // ------------------------------------------------------------------------------------ layouts
 

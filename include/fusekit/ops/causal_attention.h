@@ -21,8 +21,9 @@
 //   device, per_sequence on the CPU; on CUDA a per-sequence count outside is clamped into [0, T]).
 // All tensors live on one device.
 //
-// Padded rows are written as zeros (never NaN, never left unwritten), and the padding rows of q,
-// k and v are never read, so NaN or garbage there cannot leak into the result.
+// Padded rows are written as zeros (never NaN, never left unwritten), and the padding rows of k
+// and v are never read, so NaN or garbage there cannot leak into the result; q's padding rows may
+// be read (the Hopper kernel copies query tiles whole) but never reach another row.
 //
 // Precision: float32 inputs keep float32 accuracy unless `allow_tf32` is set: on CUDA each
 // float32 operand is split into two TF32 parts and each product takes three TF32 tensor-core
@@ -37,7 +38,10 @@
 // Temporary memory: the CPU backend keeps float32 scratch of a few blocks of rows per thread
 // (about 260 KiB per thread at D = 256); the CUDA backend takes none (one kernel launch).
 // Speed: head dims up to 32, 64, 128 and 256 run kernels specialised for them (a D in between
-// pads to the next, with zeros); D = 32, 64 and 128 are the fast ones. Rows of q, k and v that
+// pads to the next, with zeros); D = 32, 64 and 128 are the fast ones. On Hopper (compute
+// capability 9.0, sm_90a build), bfloat16 and float16 at D = 64 and 128 run warpgroup MMAs fed by
+// the copy engine when q, k and v start 16-byte aligned with strides of whole 16-byte pieces;
+// other layouts take the mma.sync kernel. Rows of q, k and v that
 // start 16-byte aligned, with strides in whole 16-byte pieces, are copied by cp.async; any other
 // layout takes element-wise loads, correct and slower. The float32 kernels at D > 128 (and at
 // 64 < D <= 128 when B * Hq * T is small) take up to 195 KiB of shared memory per block: a GPU

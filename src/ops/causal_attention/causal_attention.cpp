@@ -1,4 +1,5 @@
-// causal_attention entry point: validate -> empty input returns -> pick backend -> launch.
+// causal_attention entry point: validate (causal_attention_params) -> empty input returns -> pick
+// backend -> launch.
 #include "fusekit/ops/causal_attention.h"
 
 #include <cmath>
@@ -50,9 +51,12 @@ void check_counts_on_cpu(const TensorView& counts, std::int64_t b, std::int64_t 
 
 }  // namespace
 
-void causal_attention(const TensorView& out, const TensorView& lse, const TensorView& q,
-                      const TensorView& k, const TensorView& v, const LeftPadding& padding,
-                      const CausalAttentionOptions& options, Stream stream) {
+namespace detail {
+
+CausalAttentionParams causal_attention_params(const TensorView& out, const TensorView& lse,
+                                              const TensorView& q, const TensorView& k,
+                                              const TensorView& v, const LeftPadding& padding,
+                                              const CausalAttentionOptions& options) {
   // ---- shapes
   FUSEKIT_CHECK(q.ndim == 4 || q.ndim == 2, kOp, ": q has ", q.ndim, " dims ", q.shape_string(),
                 ", expected 4 dims [B, Hq, T, D] or 2 dims [T, D]");
@@ -124,7 +128,10 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
   // ---- outputs
   detail::check_outputs(kOp, {{"out", &out}, {"lse", &lse}},
                         {{"q", &q}, {"k", &k}, {"v", &v}, {"padding.per_sequence", &counts}});
-  if (b == 0 || t == 0) return;
+  detail::CausalAttentionParams p;
+  p.b = b;
+  p.t = t;
+  if (b == 0 || t == 0) return p;
 
   // ---- layouts
   check_unit_stride_on_d("q", q);
@@ -132,8 +139,6 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
   check_unit_stride_on_d("v", v);
   check_unit_stride_on_d("out", out);
 
-  detail::CausalAttentionParams p;
-  p.b = b;
   p.hq = hq;
   p.hkv = hkv;
   p.t = t;
@@ -158,7 +163,17 @@ void causal_attention(const TensorView& out, const TensorView& lse, const Tensor
   }
   p.scale = scale_f32;
   p.allow_tf32 = options.allow_tf32;
+  return p;
+}
 
+}  // namespace detail
+
+void causal_attention(const TensorView& out, const TensorView& lse, const TensorView& q,
+                      const TensorView& k, const TensorView& v, const LeftPadding& padding,
+                      const CausalAttentionOptions& options, Stream stream) {
+  const detail::CausalAttentionParams p =
+      detail::causal_attention_params(out, lse, q, k, v, padding, options);
+  if (p.b == 0 || p.t == 0) return;
   detail::dispatch_device(
       kOp, q.device, [&] { detail::causal_attention_cpu(p); },
       [&] { detail::launch_causal_attention(p, q.device.index, stream); });

@@ -1,6 +1,8 @@
-// The CUDA backend of causal_attention: one kernel in the FlashAttention style.
+// The CUDA backend of causal_attention: two kernels in the FlashAttention style, one on mma.sync
+// for every GPU, dtype and layout (below), one on Hopper's warpgroup MMAs for bfloat16 and float16
+// at D = 64 and 128 (further down, "the warpgroup kernel").
 //
-// A block takes kBlockM query rows of one (sequence, head), 16 rows per warp, and walks the keys
+// The mma.sync kernel: a block takes kBlockM query rows of one (sequence, head), 16 rows per warp, and walks the keys
 // from the sequence's first real token to its last row in tiles of kBlockN, double-buffered in
 // shared memory by cp.async. Key tiles start at the padding count itself, so no padded K or V row
 // is ever read, and the walk stops at the block's last row, so no tile lies wholly after the
@@ -24,10 +26,15 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <type_traits>
 
+#include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
 #include "common/cuda_mma.cuh"
+#include "common/cuda_wgmma.cuh"
 #include "common/dispatch.h"
+#include "common/tensor_map.h"
 #include "fusekit/error.h"
 #include "ops/causal_attention/causal_attention_params.h"
 
@@ -575,6 +582,311 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
   }
 }
 
+// ----------------------------------------------------------- the warpgroup kernel (sm_90a)
+//
+// Hopper, bfloat16 and float16, D = 64 or 128, heads of q, k and v that tensor maps describe.
+// A block is kConsumers warpgroups of 128 threads and one producer warp. The producer copies the
+// block's query rows once, then the key and value tiles of kBlockN rows through a ring of
+// kStages slots, all with the copy engine in 128-byte-swizzled blocks of 64 columns (the layout
+// warpgroup MMAs read). Each warpgroup owns 64 query rows; with kSplitKeys the warpgroups share
+// the block's 64 rows instead, take alternate key tiles and merge their softmax states at the
+// end (for launches with few blocks). For each of its tiles a warpgroup computes
+//   S = Q K^T   wgmma m64n{kBlockN}k16, both operands in shared memory (K-major),
+//   the causal mask and the online softmax on S in registers, as the mma.sync kernel does,
+//   O += P V    wgmma m64n{D}k16, P from registers (the accumulator's layout is the A
+//               fragment's) and V read N-major from its tile as it landed,
+// and hands the slot back to the producer. Launches of many blocks run small blocks of one
+// warpgroup, four to a multiprocessor, so that one block's softmax, copies and stores overlap the
+// others' MMAs. Key tiles start at the padding count and end at the block's last row, as in the
+// mma.sync kernel; rows past T arrive as zeros. The query tile is copied whole, so its padding
+// rows may be read, but a row never mixes with another and padding rows are written as zeros.
+
+template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
+          int kMinBlocks_ = 1>
+struct WgConfig {
+  using T = T_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // blocks per multiprocessor
+  static constexpr int kD = kD_, kBlockN = kBlockN_, kConsumers = kConsumers_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kSplitKeys = kSplitKeys_;
+  static constexpr int kBlockM = kSplitKeys ? 64 : 64 * kConsumers;
+  static constexpr int kThreads = 128 * kConsumers + 32;
+  static constexpr int kProducerWarp = 4 * kConsumers;
+  static constexpr std::uint32_t kQueryBytes = kBlockM * kD * 2;
+  static constexpr std::uint32_t kTileBytes = kBlockN * kD * 2;  // one K or V tile
+  // Warps that read each tile and hand it back.
+  static constexpr int kReaderWarps = 4 * (kSplitKeys ? 1 : kConsumers);
+  // Shared memory from a 1024-byte aligned base: Q, then K and V of each slot, then the
+  // barriers (Q full, K full and V full of each slot, each slot empty).
+  static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
+  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 8 * (1 + 3 * kStages);
+  // What a warpgroup hands another at the end, per thread: m and l of two rows, and O.
+  static constexpr int kMergeFloats = 4 + kD / 2;
+  static_assert(kD == 64 || kD == 128);
+  static_assert(kBlockN == 64 || kBlockN == 128);
+  static_assert(kStages >= 2);
+  // Split keys: each warpgroup always meets the same slots, so a full barrier's parity only
+  // ever tells apart phases of its own tiles.
+  // Two slots of its own at least, so that a warpgroup's next tile arrives while it works.
+  static_assert(!kSplitKeys || (kStages % kConsumers == 0 && kStages >= 2 * kConsumers));
+  static_assert(!kSplitKeys || sizeof(float) * kMergeFloats * 128 * (kConsumers - 1) <=
+                                   std::size_t{2} * kStages * kTileBytes);
+};
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    wg_attention_kernel(const Args a, const __grid_constant__ CUtensorMap q_map,
+                        const __grid_constant__ CUtensorMap k_map,
+                        const __grid_constant__ CUtensorMap v_map) {
+#ifdef FUSEKIT_WGMMA
+  using T = typename C::T;
+  constexpr int kD = C::kD, kBlockN = C::kBlockN, kStages = C::kStages;
+  constexpr int kColumnBlocks = kD / 64;
+
+  extern __shared__ __align__(16) unsigned char wg_shared_raw[];
+  // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes).
+  unsigned char* const base =
+      wg_shared_raw + ((1024 - (shared_address(wg_shared_raw) & 1023)) & 1023);
+  std::uint64_t* const full_q = reinterpret_cast<std::uint64_t*>(base + C::kBarrierOffset);
+  std::uint64_t* const full_k = full_q + 1;
+  std::uint64_t* const full_v = full_k + kStages;
+  std::uint64_t* const empty = full_v + kStages;
+  auto key_tile = [&](int slot) { return base + C::kQueryBytes + slot * 2 * C::kTileBytes; };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Longest first: the block index runs over (query tile from the last, sequence and head).
+  const int tile = a.query_tiles - 1 - static_cast<int>(blockIdx.x / a.heads);
+  const int bh = static_cast<int>(blockIdx.x % a.heads);
+  const int b = bh / a.hq, h = bh % a.hq, kvh = h / a.group;
+  const int m0 = tile * C::kBlockM;
+  const int pad = a.padding ? min(max(a.padding[b * a.padding_stride], 0), a.t) : a.padding_all;
+  const int key_end = min(a.t, m0 + C::kBlockM);
+  const int key_tiles = key_end > pad ? (key_end - pad + kBlockN - 1) / kBlockN : 0;
+
+  if (key_tiles > 0) {
+    if (threadIdx.x == 0) {
+      mbarrier_init(full_q, 1);
+      for (int s = 0; s < kStages; ++s) {
+        mbarrier_init(full_k + s, 1);
+        mbarrier_init(full_v + s, 1);
+        mbarrier_init(empty + s, C::kReaderWarps);
+      }
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+  }
+
+  if (warp == C::kProducerWarp) {
+    if (key_tiles > 0 && lane == 0) {
+      prefetch_tensor_map(&q_map);
+      prefetch_tensor_map(&k_map);
+      prefetch_tensor_map(&v_map);
+      mbarrier_arrive_expect_bytes(full_q, C::kQueryBytes);
+      for (int cb = 0; cb < kColumnBlocks; ++cb) {
+        tensor_copy_4d_to_shared(base + cb * C::kBlockM * 128, &q_map, cb * 64, m0, h, b, full_q);
+      }
+      for (int i = 0; i < key_tiles; ++i) {
+        const int slot = i % kStages;
+        if (i >= kStages) mbarrier_wait(empty + slot, ((i / kStages) - 1) & 1);
+        const int j0 = pad + i * kBlockN;
+        unsigned char* const kt = key_tile(slot);
+        mbarrier_arrive_expect_bytes(full_k + slot, C::kTileBytes);
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
+          tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, kvh, b,
+                                   full_k + slot);
+        }
+        mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
+          tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0,
+                                   kvh, b, full_v + slot);
+        }
+      }
+    }
+    return;
+  }
+
+  const int wg = warp / 4, wg_warp = warp % 4, wg_tid = threadIdx.x % 128;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wg_row0 = m0 + (C::kSplitKeys ? 0 : 64 * wg);  // the warpgroup's first query row
+  const int warp_row0 = wg_row0 + 16 * wg_warp;
+
+  float o[kD / 2] = {};  // columns 8 n + 2 t4 + (e & 1) of rows g + 8 (e >> 1): o[4 n + e]
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // m in log2 units
+
+  if (key_tiles > 0) {
+    const std::uint64_t q_desc =
+        swizzled_descriptor(base + (C::kSplitKeys ? 0 : wg * 64 * 128));
+    mbarrier_wait(full_q, 0);
+    const int first = C::kSplitKeys ? wg : 0, step = C::kSplitKeys ? C::kConsumers : 1;
+    for (int i = first; i < key_tiles; i += step) {
+      const int slot = i % kStages;
+      const std::uint32_t phase = (i / kStages) & 1;
+      const int j0 = pad + i * kBlockN;
+      unsigned char* const kt = key_tile(slot);
+      mbarrier_wait(full_k + slot, phase);
+      if (j0 <= wg_row0 + 63) {  // else the tile lies wholly after this warpgroup's rows
+        float s[kBlockN / 2] = {};
+        const std::uint64_t k_desc = swizzled_descriptor(kt);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          const int cb = kk / 4, within = (kk % 4) * 32;
+          wgmma_ss<T, kBlockN>(s, advance_descriptor(q_desc, cb * C::kBlockM * 128 + within),
+                               advance_descriptor(k_desc, cb * kBlockN * 128 + within), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
+
+        // Keys after a row's diagonal (the rows past the keys' range among them) get no weight.
+        if (j0 + kBlockN - 1 > warp_row0) {
+#pragma unroll
+          for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = j0 + n * 8 + 2 * t4 + (e & 1);
+              const int row = warp_row0 + g + (e >> 1) * 8;
+              if (key > row) s[4 * n + e] = -INFINITY;
+            }
+          }
+        }
+
+        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3); the four lanes of
+        // a quad share a row.
+        // Max and sum in kPartial independent chains, so that their latencies overlap.
+        constexpr int kPartial = 4;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float part[kPartial];
+#pragma unroll
+          for (int x = 0; x < kPartial; ++x) part[x] = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < kBlockN / 8; ++n) {
+            part[n % kPartial] =
+                fmaxf(part[n % kPartial], fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+          }
+          float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(m_run[r], mx * a.scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
+          const float alpha = fast_exp2(m_run[r] - m_use);
+          m_run[r] = m_new;
+#pragma unroll
+          for (int x = 0; x < kPartial; ++x) part[x] = 0.0f;
+#pragma unroll
+          for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[4 * n + e] = fast_exp2(fmaf(s[4 * n + e], a.scale_log2, -m_use));
+              part[n % kPartial] += s[4 * n + e];
+            }
+          }
+          l_run[r] = l_run[r] * alpha + ((part[0] + part[1]) + (part[2] + part[3]));
+#pragma unroll
+          for (int n = 0; n < kD / 8; ++n) {
+            o[4 * n + 2 * r] *= alpha;
+            o[4 * n + 2 * r + 1] *= alpha;
+          }
+        }
+
+        // P as the A fragments of the k16 steps over the tile's keys.
+        std::uint32_t p[kBlockN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          p[kk][0] = HalfMma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+          p[kk][1] = HalfMma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+          p[kk][2] = HalfMma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+          p[kk][3] = HalfMma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        mbarrier_wait(full_v + slot, phase);
+        const std::uint64_t v_desc = mn_major_descriptor(kt + C::kTileBytes, kBlockN * 128);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        wgmma_fence_operands(p);
+      } else {
+        mbarrier_wait(full_v + slot, phase);
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty + slot);
+    }
+  }
+
+  if constexpr (C::kSplitKeys) {
+    // Warpgroups 1, 2, ... hand their states to warpgroup 0 through the (now idle) key slots,
+    // and warpgroup 0 merges them in that order.
+    constexpr int kLanes = 128;
+    float* const merge = reinterpret_cast<float*>(key_tile(0)) + wg_tid;
+    named_barrier_sync(1, 128 * C::kConsumers);
+    if (wg > 0) {
+      float* mine = merge + (wg - 1) * kLanes * C::kMergeFloats;
+      int x = 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mine[kLanes * x++] = m_run[r];
+        mine[kLanes * x++] = l_run[r];
+      }
+#pragma unroll
+      for (int e = 0; e < kD / 2; ++e) mine[kLanes * x++] = o[e];
+    }
+    named_barrier_sync(1, 128 * C::kConsumers);
+    if (wg > 0) return;
+    for (int other = 1; other < C::kConsumers; ++other) {
+      const float* theirs = merge + (other - 1) * kLanes * C::kMergeFloats;
+      int x = 0;
+      float alpha[2], beta[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_other = theirs[kLanes * x++], l_other = theirs[kLanes * x++];
+        const float m_new = fmaxf(m_run[r], m_other);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[r] = fast_exp2(m_run[r] - m_use);
+        beta[r] = fast_exp2(m_other - m_use);
+        m_run[r] = m_new;
+        l_run[r] = l_run[r] * alpha[r] + l_other * beta[r];
+      }
+#pragma unroll
+      for (int e = 0; e < kD / 2; ++e) {
+        o[e] = o[e] * alpha[(e >> 1) & 1] + theirs[kLanes * x++] * beta[(e >> 1) & 1];
+      }
+    }
+  }
+
+  // Rows: out = o / l; padding rows (and rows with no key) zeros and an lse of -inf.
+  T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = warp_row0 + g + 8 * r;
+    if (row >= a.t) continue;
+    const bool real = row >= pad && l > 0.0f;
+    const float inv = real ? 1.0f / l : 0.0f;
+    T* dst = out + row * a.out_stride[2];
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const int c = n * 8 + 2 * t4;
+      const float x0 = real ? o[4 * n + 2 * r] * inv : 0.0f;
+      const float x1 = real ? o[4 * n + 2 * r + 1] * inv : 0.0f;
+      store_pair(dst + c, x0, x1, a.vector_stores, true);
+    }
+    if (a.lse && t4 == 0) {
+      float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
+      *lse = real ? m_run[r] * kLn2 + logf(l) : -INFINITY;
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
 // ---------------------------------------------------------------------------------- launch
 
 template <typename C>
@@ -633,6 +945,89 @@ void launch_head_dim(const Args& a, int device, cudaStream_t stream) {
   }
 }
 
+// The three tensor maps of the warpgroup kernel.
+struct WgMaps {
+  CUtensorMap q, k, v;
+};
+
+// The map of q, k or v [B, H, T, D] (strides of b, h, t in `stride`), in boxes of 64 columns by
+// `box_rows` rows of one head; empty where the layout does not fit a map.
+std::optional<CUtensorMap> head_map(const CausalAttentionParams& p, const void* base,
+                                    std::int64_t heads, const std::int64_t (&stride)[3],
+                                    int box_rows) {
+  const std::int64_t dims[4] = {p.d, p.t, heads, p.b};
+  std::int64_t strides[3] = {stride[2], stride[1], stride[0]};
+  // An axis of one element is never stepped along (the single-head form has zero strides): it
+  // gets the stride of a dense layout.
+  std::int64_t dense = p.d;
+  for (int i = 0; i < 3; ++i) {
+    if (dims[i + 1] == 1) strides[i] = dense;
+    dense = strides[i] * dims[i + 1];
+  }
+  return make_tensor_map_4d(kOp, p.dtype, base, dims, strides, box_rows);
+}
+
+std::optional<WgMaps> wg_maps(const CausalAttentionParams& p, int block_m, int block_n) {
+  const auto q = head_map(p, p.q, p.hq, p.q_stride, block_m);
+  const auto k = head_map(p, p.k, p.hkv, p.k_stride, block_n);
+  const auto v = head_map(p, p.v, p.hkv, p.v_stride, block_n);
+  if (!q || !k || !v) return std::nullopt;
+  return WgMaps{*q, *k, *v};
+}
+
+template <typename C>
+void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
+  static std::atomic<bool> shared_allowed[kMaxDevices];
+  const auto kernel = wg_attention_kernel<C>;
+  allow_shared_memory(kernel, C::kSharedBytes, device, shared_allowed, false, [&] {
+    return concat(kOp, ": the warpgroup kernel for D = ", a.d);
+  });
+  a.query_tiles = (a.t + C::kBlockM - 1) / C::kBlockM;
+  const std::int64_t blocks = static_cast<std::int64_t>(a.query_tiles) * a.heads;
+  FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
+                C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
+                std::numeric_limits<int>::max(), ")");
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(a, maps.q, maps.k,
+                                                                                  maps.v);
+  FUSEKIT_CUDA_CHECK_LAUNCH("wg_attention_kernel");
+}
+
+// The warpgroup kernel's configurations. Many blocks: blocks of one warpgroup (64 rows), four
+// (D = 64) or two (D = 128, two warpgroups) to a multiprocessor. Fewer blocks than
+// multiprocessors: two warpgroups split the keys of 64 rows. Returns false, launching nothing,
+// where q, k and v do not fit tensor maps.
+template <typename T, int kD>
+bool launch_wg_head_dim(const Args& a, const CausalAttentionParams& p, int device,
+                        cudaStream_t stream) {
+  using Rows = std::conditional_t<kD == 64, WgConfig<T, kD, 64, 1, false, 2, 4>,
+                                  WgConfig<T, kD, 128, 2, false, 2, 1>>;
+  using Split = WgConfig<T, kD, kD == 64 ? 128 : 64, 2, true, 4>;
+  const bool few = blocks_of(a, 128) < multiprocessor_count(device);
+  auto run = [&](auto config) {
+    using C = decltype(config);
+    const std::optional<WgMaps> maps = wg_maps(p, C::kBlockM, C::kBlockN);
+    if (!maps) return false;
+    launch_wg<C>(a, *maps, device, stream);
+    return true;
+  };
+  return few ? run(Split{}) : run(Rows{});
+}
+
+// Runs the warpgroup kernel where it fits; false where it does not (nothing launched).
+bool try_launch_wg(const Args& a, const CausalAttentionParams& p, int device, cudaStream_t stream) {
+  if (!has_warpgroup_mma(device) || (p.d != 64 && p.d != 128)) return false;
+  switch (p.dtype) {
+    case DType::BFloat16:
+      return p.d == 64 ? launch_wg_head_dim<__nv_bfloat16, 64>(a, p, device, stream)
+                       : launch_wg_head_dim<__nv_bfloat16, 128>(a, p, device, stream);
+    case DType::Float16:
+      return p.d == 64 ? launch_wg_head_dim<__half, 64>(a, p, device, stream)
+                       : launch_wg_head_dim<__half, 128>(a, p, device, stream);
+    default:
+      return false;
+  }
+}
+
 bool aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
@@ -680,6 +1075,15 @@ void launch_causal_attention(const CausalAttentionParams& p, int device, Stream 
   a.vector_stores = p.d % 2 == 0 && aligned(p.out, 2 * elem) && strides_divisible(p.out_stride, 2);
 
   const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (p.kernel != AttentionKernel::MmaSync) {
+    if (try_launch_wg(a, p, device, s)) return;
+    FUSEKIT_CHECK(p.kernel == AttentionKernel::Auto, kOp,
+                  ": the warpgroup kernel was asked for, but it takes bfloat16 or float16 q, k and "
+                  "v with D = 64 or 128, 16-byte aligned, strides of whole 16-byte pieces, on a "
+                  "GPU of compute capability 9.0 with an sm_90a build; this call has ",
+                  to_string(p.dtype), ", D = ", p.d, " on a device that",
+                  has_warpgroup_mma(device) ? " runs warpgroup MMAs" : " does not run them");
+  }
   switch (p.dtype) {
     case DType::Float32:
       if (p.allow_tf32) {

@@ -971,7 +971,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         const std::uint32_t offset = (ks / 4) * w1_block + hc * 128 + (ks % 4) * 32;
-        wgmma_f16_rs<kWgHidden>(acc1, af[ks], advance_descriptor(w1_desc, offset), ks > 0);
+        wgmma_rs<__half, kWgHidden>(acc1, af[ks], advance_descriptor(w1_desc, offset), ks > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();  // also the previous chunk's GEMM2, which read the fragments below
@@ -983,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kWgHidden / 16; ++kk) {
-        wgmma_f16_rs<kC>(acc2, ag[kk], advance_descriptor(w2_desc, hc * kC * 2 + kk * 32),
+        wgmma_rs<__half, kC>(acc2, ag[kk], advance_descriptor(w2_desc, hc * kC * 2 + kk * 32),
                          hc > 0 || kk > 0);
       }
       wgmma_commit();
