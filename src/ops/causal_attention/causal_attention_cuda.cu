@@ -322,6 +322,36 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
   }
 }
 
+// The end of one row's walk, by the four lanes of its quad: their parts of l summed, out = o / l
+// in columns 8 n + 2 t4 and 8 n + 2 t4 + 1 (those below D) for n < kChunks, and the lse;
+// padding rows and rows with no key get zeros and -inf. `o_pair(n, x)` gives the row's two
+// accumulators of chunk n. Rows at or past T are left alone (the quad's lanes still shuffle).
+template <int kChunks, typename T, typename Pair>
+__device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, int row, int pad,
+                                          int t4, float l_part, float m, Pair o_pair) {
+  float l = l_part;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (row >= a.t) return;
+  const bool real = row >= pad && l > 0.0f;
+  const float inv = real ? 1.0f / l : 0.0f;
+  T* dst = out + row * a.out_stride[2];
+#pragma unroll
+  for (int n = 0; n < kChunks; ++n) {
+    const int c = n * 8 + 2 * t4;
+    if (c < a.d) {
+      float x[2];
+      o_pair(n, x);
+      store_pair(dst + c, real ? x[0] * inv : 0.0f, real ? x[1] * inv : 0.0f, a.vector_stores,
+                 c + 1 < a.d);
+    }
+  }
+  if (a.lse && t4 == 0) {
+    float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
+    *lse = real ? m * kLn2 + logf(l) : -INFINITY;
+  }
+}
+
 // ---------------------------------------------------------------------------------- kernel
 
 // A block: kGroups groups of kWarps warps; a warp owns kMT tiles of 16 query rows, a group all
@@ -558,26 +588,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float l = l_run[mt][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int row = warp_row0 + mt * 16 + g + 8 * r;
-      if (row >= a.t) continue;
-      const bool real = row >= pad && l > 0.0f;
-      const float inv = real ? 1.0f / l : 0.0f;
-      T* dst = out + row * a.out_stride[2];
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        const int c = n * 8 + 2 * t4;
-        if (c < a.d) {
-          store_pair(dst + c, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv,
-                     a.vector_stores, c + 1 < a.d);
-        }
-      }
-      if (a.lse && t4 == 0) {
-        float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-        *lse = real ? m_run[mt][r] * kLn2 + logf(l) : -INFINITY;
-      }
+      store_row<kD / 8>(a, out, b, h, warp_row0 + mt * 16 + g + 8 * r, pad, t4, l_run[mt][r],
+                        m_run[mt][r], [&](int n, float (&x)[2]) {
+                          x[0] = o[mt][n][2 * r];
+                          x[1] = o[mt][n][2 * r + 1];
+                        });
     }
   }
 }
@@ -862,25 +877,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = warp_row0 + g + 8 * r;
-    if (row >= a.t) continue;
-    const bool real = row >= pad && l > 0.0f;
-    const float inv = real ? 1.0f / l : 0.0f;
-    T* dst = out + row * a.out_stride[2];
-#pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      const int c = n * 8 + 2 * t4;
-      const float x0 = real ? o[4 * n + 2 * r] * inv : 0.0f;
-      const float x1 = real ? o[4 * n + 2 * r + 1] * inv : 0.0f;
-      store_pair(dst + c, x0, x1, a.vector_stores, true);
-    }
-    if (a.lse && t4 == 0) {
-      float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-      *lse = real ? m_run[r] * kLn2 + logf(l) : -INFINITY;
-    }
+    store_row<kD / 8>(a, out, b, h, warp_row0 + g + 8 * r, pad, t4, l_run[r], m_run[r],
+                      [&](int n, float (&x)[2]) {
+                        x[0] = o[4 * n + 2 * r];
+                        x[1] = o[4 * n + 2 * r + 1];
+                      });
   }
 #else
   __trap();
