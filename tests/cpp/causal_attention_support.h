@@ -312,13 +312,18 @@ inline AttentionTensors upload_packed_attention(const AttentionInputs& in, const
   return t;
 }
 
-inline void run_attention(const AttentionTensors& t, const AttentionCase& c,
-                          fusekit::Stream stream = {}) {
+/// The options of case c.
+inline CausalAttentionOptions attention_options(const AttentionCase& c) {
   CausalAttentionOptions options;
   options.scale = c.scale;
   options.allow_tf32 = c.allow_tf32;
+  return options;
+}
+
+inline void run_attention(const AttentionTensors& t, const AttentionCase& c,
+                          fusekit::Stream stream = {}) {
   fusekit::causal_attention(t.out.view, t.lse.view, t.q.view, t.k.view, t.v.view, t.padding(),
-                            options, stream);
+                            attention_options(c), stream);
 }
 
 /// out and lse (when asked for) read back as float64 in the reference's shapes.

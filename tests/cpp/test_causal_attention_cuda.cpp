@@ -66,11 +66,8 @@ void run_named(const AttentionTensors& t, const AttentionCase& c) {
     run_attention(t, c);
     return;
   }
-  CausalAttentionOptions options;
-  options.scale = c.scale;
-  options.allow_tf32 = c.allow_tf32;
   fusekit::detail::CausalAttentionParams p = fusekit::detail::causal_attention_params(
-      t.out.view, t.lse.view, t.q.view, t.k.view, t.v.view, t.padding(), options);
+      t.out.view, t.lse.view, t.q.view, t.k.view, t.v.view, t.padding(), attention_options(c));
   if (p.b == 0 || p.t == 0) return;
   p.kernel = c.kernel;
   fusekit::detail::launch_causal_attention(p, t.q.view.device.index, {});

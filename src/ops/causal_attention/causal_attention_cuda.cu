@@ -391,6 +391,66 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// One row's step of the online softmax over a tile, by the four lanes of the quad that holds the
+// row: `score(n, e)` is this lane's score e (0 or 1) of chunk n < kChunks (a reference, replaced
+// by its exponential). Updates the running max m (log2 units, the scale folded in) and this
+// lane's part of the running sum l, and returns the factor the row's output must take. Max and
+// sum run in kPartial independent chains (a power of two), so that their latencies overlap.
+template <int kChunks, int kPartial, typename Score>
+__device__ __forceinline__ float softmax_row(Score score, float scale_log2, float& m_run,
+                                             float& l_run) {
+  static_assert(kPartial >= 1 && (kPartial & (kPartial - 1)) == 0);
+  float part[kPartial];
+#pragma unroll
+  for (int x = 0; x < kPartial; ++x) part[x] = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kChunks; ++n) {
+    part[n % kPartial] = fmaxf(part[n % kPartial], fmaxf(score(n, 0), score(n, 1)));
+  }
+#pragma unroll
+  for (int w = kPartial / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int x = 0; x < w; ++x) part[x] = fmaxf(part[x], part[x + w]);
+  }
+  float mx = part[0];
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m_run, mx * scale_log2);
+  const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
+  const float alpha = fast_exp2(m_run - m_use);
+  m_run = m_new;
+#pragma unroll
+  for (int x = 0; x < kPartial; ++x) part[x] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < kChunks; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& v = score(n, e);
+      v = fast_exp2(fmaf(v, scale_log2, -m_use));
+      part[n % kPartial] += v;
+    }
+  }
+#pragma unroll
+  for (int w = kPartial / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int x = 0; x < w; ++x) part[x] += part[x + w];
+  }
+  l_run = l_run * alpha + part[0];
+  return alpha;
+}
+
+// Folds another part's softmax state of a row (m_other, l_other) into (m, l), for parts that
+// walked different keys; gives the factors of this part's output and of the other's.
+__device__ __forceinline__ void merge_softmax(float& m, float& l, float m_other, float l_other,
+                                              float& alpha, float& beta) {
+  const float m_new = fmaxf(m, m_other);
+  const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+  alpha = fast_exp2(m - m_use);
+  beta = fast_exp2(m_other - m_use);
+  m = m_new;
+  l = l * alpha + l_other * beta;
+}
+
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(const Args a) {
   using Mma = typename C::Policy;
@@ -491,33 +551,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
         }
       }
 
-      // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3) of each row tile;
-      // the four lanes of a quad share a row.
+      // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3) of each row tile.
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < kBlockN / 8; ++n) {
-            mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-          }
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m_run[mt][r], mx * a.scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
-          const float alpha = fast_exp2(m_run[mt][r] - m_use);
-          m_run[mt][r] = m_new;
-          float sum = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              s[mt][n][e] = fast_exp2(fmaf(s[mt][n][e], a.scale_log2, -m_use));
-              sum += s[mt][n][e];
-            }
-          }
-          l_run[mt][r] = l_run[mt][r] * alpha + sum;
+          const float alpha = softmax_row<kBlockN / 8, 1>(
+              [&](int n, int e) -> float& { return s[mt][n][2 * r + e]; }, a.scale_log2,
+              m_run[mt][r], l_run[mt][r]);
 #pragma unroll
           for (int n = 0; n < kD / 8; ++n) {
             o[mt][n][2 * r] *= alpha;
@@ -564,12 +605,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float m_other = merge[kLanes * x++], l_other = merge[kLanes * x++];
-          const float m_new = fmaxf(m_run[mt][r], m_other);
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-          alpha[r] = fast_exp2(m_run[mt][r] - m_use);
-          beta[r] = fast_exp2(m_other - m_use);
-          m_run[mt][r] = m_new;
-          l_run[mt][r] = l_run[mt][r] * alpha[r] + l_other * beta[r];
+          merge_softmax(m_run[mt][r], l_run[mt][r], m_other, l_other, alpha[r], beta[r]);
         }
 #pragma unroll
         for (int n = 0; n < kD / 8; ++n) {
@@ -766,38 +802,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           }
         }
 
-        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3); the four lanes of
-        // a quad share a row.
-        // Max and sum in kPartial independent chains, so that their latencies overlap.
-        constexpr int kPartial = 4;
+        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float part[kPartial];
-#pragma unroll
-          for (int x = 0; x < kPartial; ++x) part[x] = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < kBlockN / 8; ++n) {
-            part[n % kPartial] =
-                fmaxf(part[n % kPartial], fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-          }
-          float mx = fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(m_run[r], mx * a.scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
-          const float alpha = fast_exp2(m_run[r] - m_use);
-          m_run[r] = m_new;
-#pragma unroll
-          for (int x = 0; x < kPartial; ++x) part[x] = 0.0f;
-#pragma unroll
-          for (int n = 0; n < kBlockN / 8; ++n) {
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              s[4 * n + e] = fast_exp2(fmaf(s[4 * n + e], a.scale_log2, -m_use));
-              part[n % kPartial] += s[4 * n + e];
-            }
-          }
-          l_run[r] = l_run[r] * alpha + ((part[0] + part[1]) + (part[2] + part[3]));
+          const float alpha = softmax_row<kBlockN / 8, 4>(
+              [&](int n, int e) -> float& { return s[4 * n + 2 * r + e]; }, a.scale_log2,
+              m_run[r], l_run[r]);
 #pragma unroll
           for (int n = 0; n < kD / 8; ++n) {
             o[4 * n + 2 * r] *= alpha;
@@ -859,12 +869,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_other = theirs[kLanes * x++], l_other = theirs[kLanes * x++];
-        const float m_new = fmaxf(m_run[r], m_other);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        alpha[r] = fast_exp2(m_run[r] - m_use);
-        beta[r] = fast_exp2(m_other - m_use);
-        m_run[r] = m_new;
-        l_run[r] = l_run[r] * alpha[r] + l_other * beta[r];
+        merge_softmax(m_run[r], l_run[r], m_other, l_other, alpha[r], beta[r]);
       }
 #pragma unroll
       for (int e = 0; e < kD / 2; ++e) {
@@ -1082,7 +1087,14 @@ void launch_causal_attention(const CausalAttentionParams& p, int device, Stream 
                   ": the warpgroup kernel was asked for, but it takes bfloat16 or float16 q, k and "
                   "v with D = 64 or 128, 16-byte aligned, strides of whole 16-byte pieces, on a "
                   "GPU of compute capability 9.0 with an sm_90a build; this call has ",
-                  to_string(p.dtype), ", D = ", p.d, " on a device that",
+                  to_string(p.dtype), ", D = ", p.d, ", q, k and v ",
+                  aligned(p.q, 16) && aligned(p.k, 16) && aligned(p.v, 16)
+                      ? "16-byte aligned"
+                      : "not all 16-byte aligned",
+                  " with (b, h, t) strides q ", p.q_stride[0], ", ", p.q_stride[1], ", ",
+                  p.q_stride[2], " k ", p.k_stride[0], ", ", p.k_stride[1], ", ", p.k_stride[2],
+                  " v ", p.v_stride[0], ", ", p.v_stride[1], ", ", p.v_stride[2],
+                  " elements, on a device that",
                   has_warpgroup_mma(device) ? " runs warpgroup MMAs" : " does not run them");
   }
   switch (p.dtype) {
