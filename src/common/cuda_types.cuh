@@ -80,6 +80,22 @@ __device__ __forceinline__ void store_floats(T* p, const float (&v)[VEC]) {
   }
 }
 
+/// Stores two floats, rounded to T, at p and p + 1 in one access (p aligned to two elements).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float a, float b);
+template <>
+__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
 /// Reads VEC elements (16 bytes) from shared memory as floats.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_shared_floats(const void* p, float (&v)[VEC]) {

@@ -573,21 +573,6 @@ __global__ void sum_partials_kernel(const float* part, std::int64_t count, std::
 
 constexpr int kPad = 8;  // halves after each shared weight row: ldmatrix rows on distinct banks
 
-template <typename T>
-__device__ __forceinline__ void store_pair(T* p, float a, float b);
-template <>
-__device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<__half>(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-
 constexpr int kRowTile = 128;    // rows of (n, l) per tile of the fused kernel: 16 per warp
 // Elements from one row of a shared x tile to the next: 8 of padding, so that the 8-byte (float32)
 // or 4-byte (half) pair loads of a warp's fragment rows fall on distinct banks.

@@ -7,13 +7,15 @@
 //     held in registers) into shared memory as float16; the five projections then run on tensor
 //     cores, 32 hidden channels at a time, with the next weight slices arriving by cp.async while
 //     the current ones are multiplied. The epilogue applies the mask and the gates and writes
-//     left and right as one float16 [N, N] plane per (b, d), the layout the pairwise product
-//     reads, and gate as float16 [M, H].
+//     left, right and gate as one float16 [N, N] plane per (b, d), the layout the pairwise
+//     product reads (on sm_90a, wg_project does the same on warpgroup MMAs).
 //  3. pairwise: one strided-batched cuBLASLt product over the B * H planes, float16 output scaled
 //     by 1/N so that sums over N do not overflow float16.
-//  4. output: a tile of rows of p is gathered from its planes into shared memory, normalised
-//     over H (with eps / N^2, which undoes the scaling exactly), multiplied by gate and rounded to
-//     float16; the output projection then runs on tensor cores and writes out in x's dtype.
+//  4. output: a persistent kernel over tiles of 64 j of one (b, i), read from the planes of p and
+//     gate by cp.async one tile ahead, normalised over H (with eps / N^2, which undoes the
+//     scaling exactly), multiplied by gate and rounded to float16 in place; the output
+//     projection then runs on tensor cores against to_out held in shared memory and writes out
+//     in x's dtype.
 //
 // Nothing of size [B, N, N, 5H] or in float32 is ever materialised: the temporaries are left,
 // right, p and gate, four float16 [B, N, N, H] tensors (planes padded to rows of 8 elements).
@@ -51,10 +53,6 @@ constexpr int kSliceLd = kKSlice + 8;             // halves per staged weight ro
 constexpr int kChunkD = 32;                       // hidden channels per projection chunk
 constexpr int kProjCols = kProjections * kChunkD; // weight rows per projection chunk
 constexpr int kProjNT = kProjections;             // n8 tiles per warp: one per projection
-constexpr int kOutRows = 64;                      // rows per output tile
-constexpr int kOutMT = 2;                         // m16 tiles per warp in the output kernel
-constexpr int kOutNT = 4;                         // n8 tiles per warp in the output kernel
-constexpr int kOutCols = 4 * 8 * kOutNT;          // output columns per chunk
 constexpr int kCachedC = 24 * 32;                 // rows up to this long are held in registers
 
 __device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
@@ -222,9 +220,9 @@ struct ProjectArgs {
   const float* ln_weight;
   const float* ln_bias;
   float eps;
-  __half* left;   // planes [B, H] of [N, ldn]
+  __half* left;   // planes [B, H] of [N, ldn], as right and gate
   __half* right;
-  __half* gate;   // [M, H]
+  __half* gate;
   std::int64_t ldn, plane;
 };
 
@@ -239,7 +237,7 @@ struct ProjectSmem {
   __host__ __device__ std::size_t left() const { return b() + std::size_t(kStages) * kProjCols * kSliceLd * 2; }
   __host__ __device__ std::size_t right() const { return left() + std::size_t(kChunkD) * (rows + 8) * 2; }
   __host__ __device__ std::size_t gate() const { return right() + std::size_t(kChunkD) * (rows + 8) * 2; }
-  __host__ __device__ std::size_t row_base() const { return gate() + std::size_t(rows) * (kChunkD + 8) * 2; }
+  __host__ __device__ std::size_t row_base() const { return gate() + std::size_t(kChunkD) * (rows + 8) * 2; }
   __host__ __device__ std::size_t row_x() const { return row_base() + std::size_t(rows) * 8; }
   __host__ __device__ std::size_t row_mask() const { return row_x() + std::size_t(rows) * 8; }
   __host__ __device__ std::size_t bytes() const { return row_mask() + std::size_t(rows) * 4; }
@@ -369,9 +367,9 @@ __device__ __forceinline__ bool contiguous_tile(std::int64_t m0, int rows, std::
 }
 
 // Writes a staged chunk of kRows rows (m0 on) by the channels d0 .. d0 + 31 (those below H) to
-// left and right (a channel's rows in its plane) and gate, by `threads` threads numbered `tid`.
-// left and right are staged channel by channel ([32][kRows + 8]), gate row by row
-// ([kRows][32 + 8]); `contiguous`: the rows lie back to back in their planes (contiguous_tile).
+// left, right and gate (a channel's rows in its plane), by `threads` threads numbered `tid`. The
+// three are staged channel by channel ([32][kRows + 8]); `contiguous`: the rows lie back to back
+// in their planes (contiguous_tile).
 template <int kRows>
 __device__ __forceinline__ void store_chunk(const ProjectArgs& a, const __half* stage_left,
                                             const __half* stage_right, const __half* stage_gate,
@@ -386,31 +384,17 @@ __device__ __forceinline__ void store_chunk(const ProjectArgs& a, const __half* 
       const int from = dl * (kRows + 8) + piece * 8;
       *reinterpret_cast<uint4*>(a.left + offset) = *reinterpret_cast<const uint4*>(stage_left + from);
       *reinterpret_cast<uint4*>(a.right + offset) = *reinterpret_cast<const uint4*>(stage_right + from);
+      *reinterpret_cast<uint4*>(a.gate + offset) = *reinterpret_cast<const uint4*>(stage_gate + from);
     }
   } else {
     for (int i = tid; i < channels * kRows; i += threads) {
       const int dl = i / kRows, r = i % kRows;
       if (m0 + r < a.m) {
         const std::int64_t offset = row_base[r] + (d0 + dl) * a.plane;
-        a.left[offset] = stage_left[dl * (kRows + 8) + r];
-        a.right[offset] = stage_right[dl * (kRows + 8) + r];
-      }
-    }
-  }
-  if (a.h % 8 == 0) {  // channels is a multiple of 8 too
-    const int pieces = channels / 8;
-    for (int i = tid; i < kRows * pieces; i += threads) {
-      const int r = i / pieces, piece = i % pieces;
-      if (m0 + r < a.m) {
-        *reinterpret_cast<uint4*>(a.gate + (m0 + r) * a.h + d0 + piece * 8) =
-            *reinterpret_cast<const uint4*>(stage_gate + r * (kChunkD + 8) + piece * 8);
-      }
-    }
-  } else {
-    for (int i = tid; i < kRows * kChunkD; i += threads) {
-      const int r = i / kChunkD, dl = i % kChunkD;
-      if (dl < channels && m0 + r < a.m) {
-        a.gate[(m0 + r) * a.h + d0 + dl] = stage_gate[r * (kChunkD + 8) + dl];
+        const int from = dl * (kRows + 8) + r;
+        a.left[offset] = stage_left[from];
+        a.right[offset] = stage_right[from];
+        a.gate[offset] = stage_gate[from];
       }
     }
   }
@@ -425,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
   auto* Bs = reinterpret_cast<__half*>(smem + layout.b());
   auto* stage_left = reinterpret_cast<__half*>(smem + layout.left());    // [32][rows + 8]
   auto* stage_right = reinterpret_cast<__half*>(smem + layout.right());  // [32][rows + 8]
-  auto* stage_gate = reinterpret_cast<__half*>(smem + layout.gate());    // [rows][32 + 8]
+  auto* stage_gate = reinterpret_cast<__half*>(smem + layout.gate());    // [32][rows + 8]
   auto* row_base = reinterpret_cast<std::int64_t*>(smem + layout.row_base());
   auto* row_x = reinterpret_cast<std::int64_t*>(smem + layout.row_x());
   auto* row_mask = reinterpret_cast<float*>(smem + layout.row_mask());
@@ -513,10 +497,7 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
             const float right = acc[mt][kRightProj][e] * mk * sigmoid(acc[mt][kRightGate][e]);
             stage_left[dl * (kRows + 8) + r] = __float2half_rn(left);
             stage_right[dl * (kRows + 8) + r] = __float2half_rn(right);
-            if (e % 2 == 0) {  // channels dl and dl + 1 of row r, side by side
-              *reinterpret_cast<__half2*>(stage_gate + r * (kChunkD + 8) + dl) = __floats2half2_rn(
-                  sigmoid(acc[mt][kOutGate][e]), sigmoid(acc[mt][kOutGate][e + 1]));
-            }
+            stage_gate[dl * (kRows + 8) + r] = __float2half_rn(sigmoid(acc[mt][kOutGate][e]));
           }
         }
         __syncthreads();
@@ -542,10 +523,9 @@ constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer
 constexpr int kWgStepK = 64;     // k a weight slot: one 128-byte swizzled row per weight row
 constexpr int kWgChunkCols = kProjections * kChunkD;  // 160 weight rows a chunk
 constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
-constexpr int kWgStagePitch = 64 + 8;      // halves per staged channel of left and right
-constexpr int kWgGatePitch = kChunkD + 8;  // halves per staged row of gate
-static_assert(kWgStagePitch == 64 + 8 && kWgGatePitch == kChunkD + 8, "store_chunk<64>'s stage");
-constexpr std::size_t kWgStageBytes = (2 * kChunkD * kWgStagePitch + 64 * kWgGatePitch) * 2;
+constexpr int kWgStagePitch = 64 + 8;  // halves per staged channel of left, right and gate
+static_assert(kWgStagePitch == 64 + 8, "store_chunk<64>'s stage");
+constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * kWgStagePitch * 2;
 constexpr std::int64_t kWgProjectMaxC = 384;
 
 // Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the two A tiles,
@@ -668,7 +648,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
   const std::uint64_t desc_w = swizzled_descriptor(base + l.w(0));
   auto* const stage_left = reinterpret_cast<__half*>(base + l.stage(wg));  // [32][64 + 8]
   auto* const stage_right = stage_left + kChunkD * kWgStagePitch;         // [32][64 + 8]
-  auto* const stage_gate = stage_right + kChunkD * kWgStagePitch;         // [64][32 + 8]
+  auto* const stage_gate = stage_right + kChunkD * kWgStagePitch;         // [32][64 + 8]
   float* const row_mask = reinterpret_cast<float*>(base + l.row_mask()) + 64 * wg;
   std::int64_t* const row_base = reinterpret_cast<std::int64_t*>(base + l.row_base()) + 64 * wg;
   const int groups = kWgTileRows / l.x_rows;  // x slots a tile, both warpgroups'
@@ -748,10 +728,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
               __float2half_rn(at(kLeftProj, e) * mk * sigmoid(at(kLeftGate, e)));
           stage_right[ch * kWgStagePitch + r] =
               __float2half_rn(at(kRightProj, e) * mk * sigmoid(at(kRightGate, e)));
-          if (e % 2 == 0) {  // channels ch and ch + 1 of row r, side by side
-            *reinterpret_cast<__half2*>(stage_gate + r * kWgGatePitch + ch) = __floats2half2_rn(
-                sigmoid(at(kOutGate, e)), sigmoid(at(kOutGate, e + 1)));
-          }
+          stage_gate[ch * kWgStagePitch + r] = __float2half_rn(sigmoid(at(kOutGate, e)));
         }
       }
       named_barrier_sync(1 + wg, 128);
@@ -936,11 +913,28 @@ void pairwise(const TrimulParams& p, const __half* left, const __half* right, __
 
 // --------------------------------------------------------------------------- 4. output
 
+// A persistent kernel over tiles of 64 consecutive j of one (b, i): a channel's part of a tile is
+// one run of p's plane, and of gate's, so a tile arrives as 2 H runs of 128 bytes by cp.async, the
+// next tile's while this one is computed. In shared memory a tile stays channel by channel: the
+// LayerNorm over H runs with lanes across rows (conflict-free) and writes the normalised, gated
+// values over p in place, and the output product reads them from there as its A operand by
+// transposing ldmatrix. to_out stays in shared memory for the whole kernel where it fits, else
+// its 128-column chunks are copied in as they come.
+
+constexpr int kOutTileRows = 64;                  // rows (j) of an output tile
+constexpr int kOutPitch = kOutTileRows + 8;       // halves per staged channel: ldmatrix rows on distinct banks
+constexpr int kOutChunkCols = 128;                // output columns per product chunk: 2 x 4 warps of 32 x 32
+constexpr int kOutStages = 2;                     // tiles in shared memory: this one and the next
+
 struct OutputArgs {
   const __half* p;     // planes [B, H] of [N, ldn], scaled by 1/N
-  const __half* gate;  // [M, H]
-  std::int64_t m, n, c, h, hp, ldn, plane;
-  int chunks;
+  const __half* gate;  // planes [B, H] of [N, ldn]
+  std::int64_t n, c, h, ldn, plane;
+  std::int64_t tiles;  // B N row_tiles
+  int row_tiles;       // tiles along j: ceil(N / 64)
+  int hp, chunks;      // H rounded up to 32; output chunks of 128 columns
+  bool resident;       // all of to_out stays in shared memory
+  bool pair_stores;    // two output columns per store (even C, strides and alignment)
   const __half* wo;    // [chunks * 128, hp]
   const float* ln_weight;
   const float* ln_bias;
@@ -949,131 +943,192 @@ struct OutputArgs {
   std::int64_t out_stride[3];
 };
 
-// Shared memory of the output kernel. Until the matrix product starts, the weight stages and
-// what follows them hold the tile's p ([hp][64 + 8]) and gate ([64][H]) as copied by cp.async.
-struct OutputSmem {
-  int lda;
-  std::int64_t hp, h;
-  __host__ __device__ OutputSmem(std::int64_t hp_, std::int64_t h_)
-      : lda(static_cast<int>(hp_) + 8), hp(hp_), h(h_) {}
-  __host__ __device__ std::size_t a() const { return 0; }
-  __host__ __device__ std::size_t stage() const { return std::size_t(kOutRows) * lda * 2; }
-  __host__ __device__ std::size_t p_stage() const { return stage(); }
-  __host__ __device__ std::size_t gate_stage() const { return stage() + std::size_t(hp) * (kOutRows + 8) * 2; }
-  __host__ __device__ std::size_t stage_end() const {
-    const std::size_t weights = std::size_t(kStages) * kOutCols * kSliceLd * 2;
-    const std::size_t tile = gate_stage() - stage() + round_up16(std::size_t(kOutRows) * h * 2);
-    return stage() + (weights > tile ? weights : tile);
+// Shared memory of the output kernel, in bytes: to_out ([wo_rows][hp + 8]), then the tile slots,
+// each p then gate ([hp][64 + 8]).
+struct OutputLayout {
+  int hp = 0, wo_rows = 0;
+  __host__ __device__ OutputLayout(int hp_, int wo_rows_) : hp(hp_), wo_rows(wo_rows_) {}
+  __host__ __device__ int wo_pitch() const { return hp + 8; }
+  __host__ __device__ std::size_t slot_bytes() const { return std::size_t(2) * hp * kOutPitch * 2; }
+  __host__ __device__ std::size_t slot(int s) const {
+    return std::size_t(wo_rows) * wo_pitch() * 2 + s * slot_bytes();
   }
-  __host__ __device__ std::size_t row_p() const { return stage_end(); }
-  __host__ __device__ std::size_t row_out() const { return row_p() + kOutRows * 8; }
-  __host__ __device__ std::size_t bytes() const { return row_out() + kOutRows * 8; }
-  __host__ __device__ static std::size_t round_up16(std::size_t v) { return (v + 15) / 16 * 16; }
+  __host__ __device__ std::size_t bytes() const { return slot(kOutStages); }
 };
 
+// LayerNorm over H of a staged tile, times the gate, written over p as float16; rows from `valid`
+// on and channels from H on become zeros. Warp w takes rows 8 w .. 8 w + 7: lane l the rows
+// 8 w + 2 (l % 4) and the one after as a pair, over the channels l / 4 + 8 k.
+__device__ __forceinline__ void normalise_output_tile(__half* p, const __half* gate,
+                                                      const OutputArgs& a, int valid) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r = 8 * warp + 2 * (lane & 3), first = lane >> 2;
+  const int h = static_cast<int>(a.h);
+  const float inv_h = 1.0f / static_cast<float>(h);
+  auto at = [&](const __half* base, int d) {
+    return __half22float2(*reinterpret_cast<const __half2*>(base + d * kOutPitch + r));
+  };
+  auto lanes_sum = [](float2 v) {  // over the eight lanes of the same rows
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) {
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, off);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, off);
+    }
+    return v;
+  };
+  float2 mean = make_float2(0.0f, 0.0f);
+  for (int d = first; d < h; d += 8) {
+    const float2 v = at(p, d);
+    mean.x += v.x;
+    mean.y += v.y;
+  }
+  mean = lanes_sum(mean);
+  mean.x *= inv_h;
+  mean.y *= inv_h;
+  float2 var = make_float2(0.0f, 0.0f);
+  for (int d = first; d < h; d += 8) {
+    const float2 v = at(p, d);
+    var.x += (v.x - mean.x) * (v.x - mean.x);
+    var.y += (v.y - mean.y) * (v.y - mean.y);
+  }
+  var = lanes_sum(var);
+  const float rstd0 = rsqrtf(var.x * inv_h + a.eps), rstd1 = rsqrtf(var.y * inv_h + a.eps);
+  for (int d = first; d < a.hp; d += 8) {
+    float2 o = make_float2(0.0f, 0.0f);
+    if (d < h) {
+      const float2 v = at(p, d), g = at(gate, d);
+      const float w = a.ln_weight[d], b = a.ln_bias[d];
+      // rows past the tile's end hold whatever was staged there before: zeros instead
+      o.x = r < valid ? ((v.x - mean.x) * rstd0 * w + b) * g.x : 0.0f;
+      o.y = r + 1 < valid ? ((v.y - mean.y) * rstd1 * w + b) * g.y : 0.0f;
+    }
+    *reinterpret_cast<__half2*>(p + d * kOutPitch + r) = __floats2half2_rn(o.x, o.y);
+  }
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 4) output(OutputArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) output(OutputArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const OutputSmem layout(a.hp, a.h);
-  auto* As = reinterpret_cast<__half*>(smem + layout.a());
-  auto* Bs = reinterpret_cast<__half*>(smem + layout.stage());
-  auto* p_stage = reinterpret_cast<__half*>(smem + layout.p_stage());        // [hp][64 + 8]
-  auto* gate_stage = reinterpret_cast<__half*>(smem + layout.gate_stage());  // [64][H]
-  auto* row_p = reinterpret_cast<std::int64_t*>(smem + layout.row_p());
-  auto* row_out = reinterpret_cast<std::int64_t*>(smem + layout.row_out());
-
+  const OutputLayout l(a.hp, a.resident ? a.chunks * kOutChunkCols : kOutChunkCols);
+  auto* const wo = reinterpret_cast<__half*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.x) * kOutRows;
-  const std::int64_t nn = a.n * a.n;
-  if (tid < kOutRows) {
-    const std::int64_t m = m0 + tid;
-    std::int64_t base = 0, offset = 0;
-    if (m < a.m) {
-      const std::int64_t b = m / nn, i = m % nn / a.n, j = m % a.n;
-      base = b * a.h * a.plane + i * a.ldn + j;
-      offset = b * a.out_stride[0] + i * a.out_stride[1] + j * a.out_stride[2];
-    }
-    row_p[tid] = base;
-    row_out[tid] = offset;
-  }
-  __syncthreads();
+  const int wm = warp >> 2, wn = warp & 3;  // the warp's 32 rows and 32 columns of a chunk
+  const int wpitch = l.wo_pitch();
+  const int h = static_cast<int>(a.h);
 
-  // The tile of p and gate. A full tile of back-to-back rows arrives by cp.async, all at once;
-  // any other is read element by element.
-  const bool staged = contiguous_tile(m0, kOutRows, a.m, a.n, a.ldn);
-  if (staged) {
-    constexpr int kPieces = kOutRows / 8;  // of 16 bytes per channel
-    for (int i = tid; i < a.h * kPieces; i += kThreads) {
-      const int d = i / kPieces, piece = i % kPieces;
-      cp_async_16(p_stage + d * (kOutRows + 8) + piece * 8, a.p + row_p[0] + d * a.plane + piece * 8);
+  auto slot_p = [&](int s) { return reinterpret_cast<__half*>(smem + l.slot(s)); };
+  auto slot_gate = [&](int s) { return slot_p(s) + a.hp * kOutPitch; };
+  auto load_wo = [&](int row0, int rows) {
+    const int pieces = a.hp / 8;
+    for (int i = tid; i < rows * pieces; i += kThreads) {
+      const int row = i / pieces, piece = i % pieces;
+      cp_async_16(wo + row * wpitch + piece * 8,
+                  a.wo + static_cast<std::int64_t>(row0 + row) * a.hp + piece * 8);
     }
-    const int gate_pieces = static_cast<int>(kOutRows * a.h / 8);  // one contiguous block
-    for (int i = tid; i < gate_pieces; i += kThreads) {
-      cp_async_16(gate_stage + i * 8, a.gate + m0 * a.h + i * 8);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-  } else {
-    for (std::int64_t i = tid; i < kOutRows * a.h; i += kThreads) {
-      const int r = static_cast<int>(i % kOutRows);
-      const std::int64_t d = i / kOutRows;
-      const bool valid = m0 + r < a.m;
-      p_stage[d * (kOutRows + 8) + r] = valid ? a.p[row_p[r] + d * a.plane] : __float2half_rn(0.0f);
-      gate_stage[r * a.h + d] = valid ? a.gate[(m0 + r) * a.h + d] : __float2half_rn(0.0f);
-    }
-  }
-  __syncthreads();
-
-  // LayerNorm over H and the gate, a warp per row, into As (zeros past H and past the last row).
-  const float inv_h = 1.0f / static_cast<float>(a.h);
-  const int h = static_cast<int>(a.h), hp = static_cast<int>(a.hp);
-  for (int r = warp; r < kOutRows; r += kThreads / 32) {
-    __half* row = As + r * layout.lda;
-    if (m0 + r >= a.m) {
-      for (int d = lane; d < hp; d += 32) row[d] = __float2half_rn(0.0f);
-      continue;
-    }
-    const __half* p = p_stage + r;  // channel d at p[d * (kOutRows + 8)]
-    const __half* gate = gate_stage + r * h;
-    float sum = 0.0f;
-    for (int d = lane; d < h; d += 32) sum += __half2float(p[d * (kOutRows + 8)]);
-    const float mean = warp_sum(sum) * inv_h;
-    float sq = 0.0f;
-    for (int d = lane; d < h; d += 32) {
-      const float v = __half2float(p[d * (kOutRows + 8)]) - mean;
-      sq += v * v;
-    }
-    const float rstd = rsqrtf(warp_sum(sq) * inv_h + a.eps);
-    for (int d = lane; d < hp; d += 32) {
-      float v = 0.0f;
-      if (d < h) {
-        v = (__half2float(p[d * (kOutRows + 8)]) - mean) * rstd * a.ln_weight[d] + a.ln_bias[d];
-        v *= __half2float(gate[d]);
+  };
+  struct Tile {
+    std::int64_t b, i;
+    int j0, valid;
+  };
+  auto tile_at = [&](std::int64_t t) {
+    const std::int64_t bi = t / a.row_tiles;
+    const int j0 = static_cast<int>(t % a.row_tiles) * kOutTileRows;
+    return Tile{bi / a.n, bi % a.n, j0, static_cast<int>(a.n - j0 < kOutTileRows ? a.n - j0 : kOutTileRows)};
+  };
+  // Pieces of 8 j up to the tile's last valid row, which ends within the plane's padded row.
+  auto load_tile = [&](std::int64_t t, int s) {
+    if (t < a.tiles) {
+      const Tile tile = tile_at(t);
+      const std::int64_t base = tile.b * a.h * a.plane + tile.i * a.ldn + tile.j0;
+      const int pieces = (tile.valid + 7) / 8;
+      __half* const ps = slot_p(s);
+      __half* const gs = slot_gate(s);
+      for (int k = tid; k < h * 8; k += kThreads) {
+        const int d = k >> 3, piece = k & 7;
+        if (piece < pieces) {
+          const std::int64_t from = base + d * a.plane + piece * 8;
+          cp_async_16(ps + d * kOutPitch + piece * 8, a.p + from);
+          cp_async_16(gs + d * kOutPitch + piece * 8, a.gate + from);
+        }
       }
-      row[d] = __float2half_rn(v);
     }
-  }
-  __syncthreads();  // the stage is read before gemm_chunks' first weight slices overwrite it
+    cp_async_commit();  // an empty group past the end keeps the counting uniform
+  };
 
-  gemm_chunks<kOutMT, kOutNT>(
-      As, layout.lda, Bs, a.wo, a.hp, a.chunks, static_cast<int>(a.hp / kKSlice),
-      [&](int chunk, const float (&acc)[kOutMT][kOutNT][4]) {
-        const int wm = warp >> 2, wn = warp & 3;
-        T* out = static_cast<T*>(a.out);
+  if (a.resident) load_wo(0, a.chunks * kOutChunkCols);  // lands with the first tile
+  load_tile(blockIdx.x, 0);
+  T* const out = static_cast<T*>(a.out);
+  int it = 0;
+  for (std::int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x, ++it) {
+    const int s = it % kOutStages;
+    load_tile(t + gridDim.x, (it + 1) % kOutStages);  // the slot freed at the end of the last tile
+    cp_async_wait<1>();
+    __syncthreads();
+    const Tile tile = tile_at(t);
+    __half* const as = slot_p(s);
+    normalise_output_tile(as, slot_gate(s), a, tile.valid);
+    __syncthreads();
+
+    const std::int64_t out_base =
+        tile.b * a.out_stride[0] + tile.i * a.out_stride[1] + tile.j0 * a.out_stride[2];
+    for (int chunk = 0; chunk < a.chunks; ++chunk) {
+      const __half* w = wo;
+      if (a.resident) {
+        w += chunk * kOutChunkCols * wpitch;
+      } else {
+        __syncthreads();  // the previous chunk's columns are no longer read
+        load_wo(chunk * kOutChunkCols, kOutChunkCols);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      float acc[2][4][4] = {};
+      for (int k0 = 0; k0 < a.hp; k0 += 16) {
+        std::uint32_t b[4][2];
 #pragma unroll
-        for (int mt = 0; mt < kOutMT; ++mt) {
+        for (int nt = 0; nt < 4; nt += 2) {
+          std::uint32_t r[4];
+          const int row = wn * 32 + nt * 8 + (lane >> 4) * 8 + (lane & 7);
+          ldmatrix_x4(r, w + row * wpitch + k0 + ((lane >> 3) & 1) * 8);
+          b[nt][0] = r[0];
+          b[nt][1] = r[1];
+          b[nt + 1][0] = r[2];
+          b[nt + 1][1] = r[3];
+        }
 #pragma unroll
-          for (int nt = 0; nt < kOutNT; ++nt) {
+        for (int mt = 0; mt < 2; ++mt) {
+          // A is staged k by k (channel by channel): 8x8 blocks transposed on the way in
+          std::uint32_t fa[4];
+          ldmatrix_x4_trans(fa, as + (k0 + (lane >> 4) * 8 + (lane & 7)) * kOutPitch + wm * 32 +
+                                    mt * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int r = wm * 16 * kOutMT + mt * 16 + (lane >> 2) + (e >> 1) * 8;
-              const std::int64_t col = static_cast<std::int64_t>(chunk) * kOutCols + wn * 8 * kOutNT +
-                                       nt * 8 + 2 * (lane & 3) + (e & 1);
-              if (m0 + r < a.m && col < a.c) out[row_out[r] + col] = from_float<T>(acc[mt][nt][e]);
+          for (int nt = 0; nt < 4; ++nt) mma_16816(acc[mt][nt], fa, b[nt][0], b[nt][1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = wm * 32 + mt * 16 + (lane >> 2) + 8 * half;
+          if (r >= tile.valid) continue;
+          T* const dst = out + out_base + r * a.out_stride[2];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const std::int64_t col = chunk * kOutChunkCols + wn * 32 + nt * 8 + 2 * (lane & 3);
+            const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+            if (a.pair_stores) {
+              if (col < a.c) store_pair<T>(dst + col, v0, v1);
+            } else {
+              if (col < a.c) dst[col] = from_float<T>(v0);
+              if (col + 1 < a.c) dst[col + 1] = from_float<T>(v1);
             }
           }
         }
-      });
+      }
+    }
+    __syncthreads();  // slot s is free for the tile after next
+  }
+  cp_async_wait<0>();
 }
 
 // --------------------------------------------------------------------------- the launcher
@@ -1142,7 +1197,7 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
       break;
   }
   const std::int64_t cp = use_wg ? wg_layout->cp : ceil_div(p.c, kKSlice) * kKSlice;
-  const std::int64_t out_chunks = ceil_div(p.c, kOutCols), cpo = out_chunks * kOutCols;
+  const std::int64_t out_chunks = ceil_div(p.c, kOutChunkCols), cpo = out_chunks * kOutChunkCols;
   const std::int64_t ldn = ceil_div(p.n, 8) * 8, plane = p.n * ldn;
 
   // Kernel configurations first, so that an unsupported size fails before any work is queued.
@@ -1163,18 +1218,21 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   FUSEKIT_CHECK(use_wg || project_mt > 0, kOp, ": C = ", p.c, " is too large for the CUDA backend (a tile ",
                 "of 32 normalised rows needs ", ProjectSmem(32, cp).bytes(),
                 " bytes of shared memory; the device has ", smem_limit, ")");
-  const OutputSmem out_layout(hp, p.h);
+  // The output kernel keeps all of to_out in shared memory where it fits beside the tile slots.
+  const OutputLayout out_resident(static_cast<int>(hp), static_cast<int>(cpo));
+  const bool resident = out_resident.bytes() <= static_cast<std::size_t>(smem_limit);
+  const OutputLayout out_layout = resident ? out_resident : OutputLayout(static_cast<int>(hp), kOutChunkCols);
   FUSEKIT_CHECK(out_layout.bytes() <= static_cast<std::size_t>(smem_limit), kOp, ": H = ", p.h,
-                " is too large for the CUDA backend (a tile of 64 rows of p needs ",
-                out_layout.bytes(), " bytes of shared memory; the device has ", smem_limit, ")");
+                " is too large for the CUDA backend (two tiles of 64 rows of p and gate and 128 rows ",
+                "of to_out need ", out_layout.bytes(), " bytes of shared memory; the device has ",
+                smem_limit, ")");
 
-  // One workspace: packed weights, LayerNorm parameters, left, right, p, gate.
+  // One workspace: packed weights, LayerNorm parameters, the planes of left, right, p and gate.
   const std::size_t w5_bytes = round_up(chunks * kProjCols * cp * 2, 256);
   const std::size_t wo_bytes = round_up(cpo * hp * 2, 256);
   const std::size_t ln_bytes = round_up((2 * p.c + 2 * p.h) * 4, 256);
   const std::size_t plane_bytes = round_up(p.b * p.h * plane * 2, 256);
-  const std::size_t gate_bytes = round_up(m * p.h * 2, 256);
-  const StreamWorkspace ws(w5_bytes + wo_bytes + ln_bytes + 3 * plane_bytes + gate_bytes, stream);
+  const StreamWorkspace ws(w5_bytes + wo_bytes + ln_bytes + 4 * plane_bytes, stream);
   auto* base = ws.as<unsigned char>();
   auto* w5 = reinterpret_cast<__half*>(base);
   auto* wo = reinterpret_cast<__half*>(base + w5_bytes);
@@ -1258,22 +1316,37 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   OutputArgs oa{};
   oa.p = pp;
   oa.gate = gate;
-  oa.m = m;
   oa.n = p.n;
   oa.c = p.c;
   oa.h = p.h;
-  oa.hp = hp;
   oa.ldn = ldn;
   oa.plane = plane;
+  oa.row_tiles = static_cast<int>(ceil_div(p.n, kOutTileRows));
+  oa.tiles = p.b * p.n * oa.row_tiles;
+  oa.hp = static_cast<int>(hp);
   oa.chunks = static_cast<int>(out_chunks);
+  oa.resident = resident;
+  oa.pair_stores = p.c % 2 == 0 && is_aligned(p.out, 2 * sizeof(T)) &&
+                   std::all_of(p.out_stride, p.out_stride + 3, [](std::int64_t s) { return s % 2 == 0; });
   oa.wo = wo;
   oa.ln_weight = ln + 2 * p.c;
   oa.ln_bias = ln + 2 * p.c + p.h;
   oa.eps = static_cast<float>(static_cast<double>(p.eps) / (static_cast<double>(p.n) * p.n));
   oa.out = p.out;
   for (int d = 0; d < 3; ++d) oa.out_stride[d] = p.out_stride[d];
-  launch_with_smem(output<T>, ceil_div(m, kOutRows), out_layout.bytes(), oa, stream,
-                   "launch of trimul output");
+  // Persistent: as many blocks as fit on the device at once, each taking every gridDim-th tile.
+  const std::size_t out_bytes = out_layout.bytes();
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(output<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(out_bytes)));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(output<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+  int per_sm = 0;
+  FUSEKIT_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, output<T>, kThreads, out_bytes));
+  const std::int64_t out_blocks =
+      std::min<std::int64_t>(oa.tiles, std::int64_t{std::max(per_sm, 1)} * multiprocessor_count(device));
+  output<T><<<static_cast<unsigned>(out_blocks), kThreads, out_bytes, stream>>>(oa);
+  FUSEKIT_CUDA_CHECK_LAUNCH("trimul output");
 }
 
 }  // namespace
