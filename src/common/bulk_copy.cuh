@@ -38,18 +38,36 @@ __device__ __forceinline__ void mbarrier_arrive_expect_bytes(std::uint64_t* bar,
                : "memory");
 }
 
-/// Waits until the phase of `bar` with the given parity has completed.
+/// Waits until the phase of `bar` with the given parity has completed. Each try suspends the
+/// thread until the phase completes or up to 10 ms pass, so that a waiting warp does not spin
+/// and take issue slots from the warps that have work.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, std::uint32_t parity) {
   asm volatile(
       "{\n"
       " .reg .pred done;\n"
       "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
       " @!done bra WAIT_%=;\n"
       "}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
+      "r"(parity), "r"(10000000)
       : "memory");
 }
+
+/// A position in a ring of `stages` slots: the slot and the parity of the phase its current use
+/// completes (the parity to wait for on the slot's full barrier; its empty barrier's previous
+/// phase has parity phase ^ 1).
+struct RingPosition {
+  int slot = 0;
+  std::uint32_t phase = 0;
+  /// Moves on by `by` slots (at most `stages`).
+  __device__ __forceinline__ void advance(int by, int stages) {
+    slot += by;
+    if (slot >= stages) {
+      slot -= stages;
+      phase ^= 1u;
+    }
+  }
+};
 
 /// Copies `bytes` from global `src` to shared `dst`; completion is counted on `bar`.
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, std::uint32_t bytes,
@@ -88,6 +106,35 @@ __device__ __forceinline__ void tensor_copy_4d_to_shared(void* dst, const CUtens
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
       "r"(shared_address(bar))
       : "memory");
+}
+
+/// Copies shared `src`, laid out and swizzled as `map` says, to the box of `map` at (`c0`, `c1`,
+/// `c2`, `c3`) in global memory; parts of the box outside the tensor are not written. The copy
+/// joins the issuing thread's open bulk group (see bulk_commit).
+__device__ __forceinline__ void tensor_store_4d_from_shared(const CUtensorMap* map, int c0, int c1,
+                                                            int c2, int c3, const void* src) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::"l"(
+          reinterpret_cast<std::uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_address(src))
+      : "memory");
+}
+
+/// Closes the issuing thread's open group of bulk copies from shared memory.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/// Waits until at most `Pending` of the thread's committed bulk groups may still read their
+/// shared memory sources.
+template <int Pending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory");
+}
+
+/// Waits until at most `Pending` of the thread's committed bulk groups are incomplete (their
+/// writes done).
+template <int Pending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(Pending) : "memory");
 }
 
 /// Fetches `map` (a __grid_constant__ kernel parameter) into the copy engine's cache ahead of use.

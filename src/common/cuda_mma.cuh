@@ -61,6 +61,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const v
                : "r"(shared_address(smem)));
 }
 
+/// Four 8x8 float16 matrices from their fragments (lane l holds row l / 4, columns 2 (l % 4) and
+/// the next, of each), each stored transposed: lane l gives the address of row l % 8 of matrix
+/// l / 8, which receives that matrix's column l % 8. sm_90 and later.
+__device__ __forceinline__ void stmatrix_x4_trans(void* smem, const std::uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   shared_address(smem)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+/// Two floats rounded to float16, as the register of an MMA fragment (lo in the low half).
+__device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+
 /// c += a b for a 16x16 (row-major) by 16x8 (column-major) float16 tile pair.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
                                           std::uint32_t b0, std::uint32_t b1) {

@@ -55,7 +55,14 @@ constexpr int kProjCols = kProjections * kChunkD; // weight rows per projection 
 constexpr int kProjNT = kProjections;             // n8 tiles per warp: one per projection
 constexpr int kCachedC = 24 * 32;                 // rows up to this long are held in registers
 
-__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + __expf(-v)); }
+// 1 / (1 + 2^(-v log2 e)): two special-function instructions, subnormals flushed (a gate below
+// 2^-126 is 0 in float16 anyway; 2^(-v log2 e) overflowing to infinity gives 0).
+__device__ __forceinline__ float sigmoid(float v) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(v * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+}
 
 template <typename T>
 __device__ __forceinline__ float load_weight(const TrimulWeight& w, std::int64_t i,
@@ -523,9 +530,10 @@ constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer
 constexpr int kWgStepK = 64;     // k a weight slot: one 128-byte swizzled row per weight row
 constexpr int kWgChunkCols = kProjections * kChunkD;  // 160 weight rows a chunk
 constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
-constexpr int kWgStagePitch = 64 + 8;  // halves per staged channel of left, right and gate
-static_assert(kWgStagePitch == 64 + 8, "store_chunk<64>'s stage");
-constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * kWgStagePitch * 2;
+// A warpgroup's epilogue stage: left, right and gate of 32 channels by 64 rows, each the
+// 128-byte swizzled box of the planes' tensor maps (1024-byte aligned, as the swizzle needs).
+constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * 64 * 2;
+static_assert(kWgStageBytes % 1024 == 0 && kWgSlotBytes % 1024 == 0, "swizzled boxes are aligned");
 constexpr std::int64_t kWgProjectMaxC = 384;
 
 // Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the two A tiles,
@@ -641,14 +649,17 @@ template <typename T, int kQuads>
 __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const WgProjectLayout& l,
                                                    int tiles, unsigned char* base,
                                                    std::uint64_t* w_full, std::uint64_t* w_empty,
-                                                   std::uint64_t* x_full, std::uint64_t* x_empty) {
+                                                   std::uint64_t* x_full, std::uint64_t* x_empty,
+                                                   bool planes_by_copy, const CUtensorMap& left_map,
+                                                   const CUtensorMap& right_map,
+                                                   const CUtensorMap& gate_map) {
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   unsigned char* const a_tile = base + l.a(wg);
   const std::uint64_t desc_a = swizzled_descriptor(a_tile);
   const std::uint64_t desc_w = swizzled_descriptor(base + l.w(0));
-  auto* const stage_left = reinterpret_cast<__half*>(base + l.stage(wg));  // [32][64 + 8]
-  auto* const stage_right = stage_left + kChunkD * kWgStagePitch;         // [32][64 + 8]
-  auto* const stage_gate = stage_right + kChunkD * kWgStagePitch;         // [32][64 + 8]
+  auto* const stage_left = reinterpret_cast<__half*>(base + l.stage(wg));  // [32][64], swizzled
+  auto* const stage_right = stage_left + kChunkD * 64;
+  auto* const stage_gate = stage_right + kChunkD * 64;
   float* const row_mask = reinterpret_cast<float*>(base + l.row_mask()) + 64 * wg;
   std::int64_t* const row_base = reinterpret_cast<std::int64_t*>(base + l.row_base()) + 64 * wg;
   const int groups = kWgTileRows / l.x_rows;  // x slots a tile, both warpgroups'
@@ -662,9 +673,9 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     const int q = 4 * lane + 128 * t;
     src[t] = (q / l.x_box_c) * (l.x_rows * l.x_box_c) + q % l.x_box_c;
   }
-  int step = 0;  // weight slots consumed
-  int it = 0;    // tiles done
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++it) {
+  RingPosition w_at;          // the weight slot to read next
+  RingPosition x_at{wg, 0};   // the x slot to read next: this warpgroup's are every other one
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const std::int64_t m0 = static_cast<std::int64_t>(tile) * kWgTileRows + 64 * wg;
     if (tid < 64) {
       const std::int64_t m = m0 + tid;
@@ -682,61 +693,96 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     }
     // The warpgroup's rows: groups wg, wg + 2, ... of the tile's.
     for (int within = 0; within < groups / 2; ++within) {
-      const int xs = it * groups + 2 * within + wg, slot = xs % l.x_stages;
-      mbarrier_wait(&x_full[slot], (xs / l.x_stages) & 1);
-      const T* rows = reinterpret_cast<const T*>(base + l.x(slot));
+      mbarrier_wait(&x_full[x_at.slot], x_at.phase);
+      const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
       for (int r0 = warp; r0 < l.x_rows; r0 += 16) {
         normalise_slot_rows<T, kQuads>(rows, l, src, ln, r0, c, a.eps, a_tile, within * l.x_rows + r0);
       }
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&x_empty[slot]);
+      if (lane == 0) mbarrier_arrive(&x_empty[x_at.slot]);
+      x_at.advance(2, l.x_stages);
     }
     fence_proxy_async_shared();       // the A tile, written by threads, is read by the MMAs
     named_barrier_sync(1 + wg, 128);  // and the rows' masks and offsets by every thread
 
-    const bool contiguous = contiguous_tile(m0, 64, a.m, a.n, a.ldn);
     for (int chunk = 0; chunk < a.chunks; ++chunk) {
       float acc[kWgChunkCols / 2] = {};  // (defined here, not live across the LayerNorm)
-      for (int kb = 0; kb < kbs; ++kb, ++step) {
-        const int slot = step % l.w_stages;
-        mbarrier_wait(&w_full[slot], (step / l.w_stages) & 1);
+      int previous = 0;  // the slot read before this one
+      for (int kb = 0; kb < kbs; ++kb) {
+        mbarrier_wait(&w_full[w_at.slot], w_at.phase);
         wgmma_fence();
 #pragma unroll
         for (int k16 = 0; k16 < kWgStepK / 16; ++k16) {
           wgmma_ss<__half, kWgChunkCols>(
               acc, advance_descriptor(desc_a, kb * (64 * 128) + k16 * 32),
-              advance_descriptor(desc_w, slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
+              advance_descriptor(desc_w, w_at.slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
         }
         wgmma_commit();
         wgmma_wait<1>();  // the previous slot's MMAs are done: hand it back
-        if (kb > 0 && lane == 0) mbarrier_arrive(&w_empty[(step - 1) % l.w_stages]);
+        if (kb > 0 && lane == 0) mbarrier_arrive(&w_empty[previous]);
+        previous = w_at.slot;
+        w_at.advance(1, l.w_stages);
       }
       wgmma_wait<0>();
-      if (lane == 0) mbarrier_arrive(&w_empty[(step - 1) % l.w_stages]);
+      if (lane == 0) mbarrier_arrive(&w_empty[previous]);
 
       // acc[4 j + e] is row 16 warp + lane / 4 + 8 (e / 2) and column 8 j + 2 (lane % 4) + e % 2
-      // of the chunk's 160: projection j / 4, channel 8 (j % 4) + 2 (lane % 4) + e % 2.
+      // of the chunk's 160: projection j / 4, channel 8 (j % 4) + 2 (lane % 4) + e % 2. Left,
+      // right and gate go to the stage as float16 pairs of channels, four 8x8 blocks a
+      // transposing stmatrix, so that a channel's 64 rows are one 128-byte row of the stage with
+      // its 16-byte pieces swizzled as the copy engine's 128-byte mode lays them.
+      if (tid == 0) bulk_wait_read<0>();  // the previous chunk's copies have read the stage
+      named_barrier_sync(1 + wg, 128);
+      const float mk[2] = {row_mask[16 * warp + lane / 4], row_mask[16 * warp + lane / 4 + 8]};
 #pragma unroll
-      for (int cb = 0; cb < kChunkD / 8; ++cb) {
+      for (int pair = 0; pair < 2; ++pair) {  // channel blocks 2 pair and 2 pair + 1
+        std::uint32_t left[4], right[4], gate[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 16 * warp + lane / 4 + 8 * (e / 2);
-          const int ch = 8 * cb + 2 * (lane % 4) + e % 2;
-          const auto at = [&](int proj, int ee) { return acc[4 * (4 * proj + cb) + ee]; };
-          const float mk = row_mask[r];
-          stage_left[ch * kWgStagePitch + r] =
-              __float2half_rn(at(kLeftProj, e) * mk * sigmoid(at(kLeftGate, e)));
-          stage_right[ch * kWgStagePitch + r] =
-              __float2half_rn(at(kRightProj, e) * mk * sigmoid(at(kRightGate, e)));
-          stage_gate[ch * kWgStagePitch + r] = __float2half_rn(sigmoid(at(kOutGate, e)));
+        for (int q = 0; q < 4; ++q) {  // block 2 pair + q / 2, rows 8 (q % 2) on
+          const int cb = 2 * pair + q / 2, h = q % 2;
+          const auto at = [&](int proj, int e) { return acc[4 * (4 * proj + cb) + 2 * h + e]; };
+          left[q] = pack_half2(at(kLeftProj, 0) * mk[h] * sigmoid(at(kLeftGate, 0)),
+                               at(kLeftProj, 1) * mk[h] * sigmoid(at(kLeftGate, 1)));
+          right[q] = pack_half2(at(kRightProj, 0) * mk[h] * sigmoid(at(kRightGate, 0)),
+                                at(kRightProj, 1) * mk[h] * sigmoid(at(kRightGate, 1)));
+          gate[q] = pack_half2(sigmoid(at(kOutGate, 0)), sigmoid(at(kOutGate, 1)));
+        }
+        const int q = lane / 8, ch = 8 * (2 * pair + q / 2) + lane % 8;
+        const int offset = ch * 64 + ((2 * warp + q % 2) ^ (ch & 7)) * 8;  // halves
+        stmatrix_x4_trans(stage_left + offset, left);
+        stmatrix_x4_trans(stage_right + offset, right);
+        stmatrix_x4_trans(stage_gate + offset, gate);
+      }
+      const std::int64_t d0 = static_cast<std::int64_t>(chunk) * kChunkD;
+      if (planes_by_copy) {
+        fence_proxy_async_shared();  // the stage, written by threads, is read by the copy engine
+        named_barrier_sync(1 + wg, 128);
+        if (tid == 0) {
+          const std::int64_t b = m0 / nn;
+          const int within_plane = static_cast<int>(m0 - b * nn), d = static_cast<int>(d0);
+          tensor_store_4d_from_shared(&left_map, within_plane, d, static_cast<int>(b), 0, stage_left);
+          tensor_store_4d_from_shared(&right_map, within_plane, d, static_cast<int>(b), 0, stage_right);
+          tensor_store_4d_from_shared(&gate_map, within_plane, d, static_cast<int>(b), 0, stage_gate);
+          bulk_commit();
+        }
+      } else {
+        named_barrier_sync(1 + wg, 128);
+        const int channels = static_cast<int>(a.h - d0 < kChunkD ? a.h - d0 : kChunkD);
+        for (int i = tid; i < channels * 64; i += 128) {
+          const int dl = i / 64, r = i % 64;
+          if (m0 + r < a.m) {
+            const std::int64_t to = row_base[r] + (d0 + dl) * a.plane;
+            const int from = dl * 64 + ((r / 8) ^ (dl & 7)) * 8 + r % 8;
+            a.left[to] = stage_left[from];
+            a.right[to] = stage_right[from];
+            a.gate[to] = stage_gate[from];
+          }
         }
       }
-      named_barrier_sync(1 + wg, 128);
-      store_chunk<64>(a, stage_left, stage_right, stage_gate, row_base, m0,
-                      static_cast<std::int64_t>(chunk) * kChunkD, contiguous, tid, 128);
-      named_barrier_sync(1 + wg, 128);  // the stage, masks and offsets are free again
     }
+    named_barrier_sync(1 + wg, 128);  // the A tile, masks and offsets are free again
   }
+  if (tid == 0) bulk_wait<0>();  // the last copies out of the stage are done
 }
 
 #endif  // FUSEKIT_WGMMA
@@ -744,7 +790,10 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
 template <typename T, int kQuads>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_project(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
-               const ProjectArgs a, const WgProjectLayout l, int tiles) {
+               const __grid_constant__ CUtensorMap left_map,
+               const __grid_constant__ CUtensorMap right_map,
+               const __grid_constant__ CUtensorMap gate_map, const ProjectArgs a,
+               const WgProjectLayout l, int tiles, bool planes_by_copy) {
 #ifdef FUSEKIT_WGMMA
   extern __shared__ __align__(16) unsigned char shared_raw[];
   // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes), by pointer
@@ -774,30 +823,36 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __syncthreads();
 
   if (warp < 8) {
-    wg_project_consume<T, kQuads>(a, l, tiles, base, w_full, w_empty, x_full, x_empty);
+    wg_project_consume<T, kQuads>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
+                                  planes_by_copy, left_map, right_map, gate_map);
   } else if (warp == 8 && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
-    int step = 0;
+    RingPosition at;
+    bool first_round = true;  // the slots are empty until the ring wraps
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       for (int chunk = 0; chunk < a.chunks; ++chunk) {
-        for (int kb = 0; kb < kbs; ++kb, ++step) {
-          const int slot = step % l.w_stages;
-          if (step >= l.w_stages) mbarrier_wait(&w_empty[slot], (step / l.w_stages - 1) & 1);
-          mbarrier_arrive_expect_bytes(&w_full[slot], kWgSlotBytes);
-          tensor_copy_2d_to_shared(base + l.w(slot), &w_map, kb * kWgStepK, chunk * kWgChunkCols,
-                                   &w_full[slot]);
+        for (int kb = 0; kb < kbs; ++kb) {
+          if (!first_round) mbarrier_wait(&w_empty[at.slot], at.phase ^ 1u);
+          mbarrier_arrive_expect_bytes(&w_full[at.slot], kWgSlotBytes);
+          tensor_copy_2d_to_shared(base + l.w(at.slot), &w_map, kb * kWgStepK, chunk * kWgChunkCols,
+                                   &w_full[at.slot]);
+          at.advance(1, l.w_stages);
+          first_round = first_round && at.slot != 0;
         }
       }
     }
   } else if (warp == 9 && lane == 0) {  // the x producer
     prefetch_tensor_map(&x_map);
     const int groups = kWgTileRows / l.x_rows;
-    int xs = 0;
+    RingPosition at;
+    bool first_round = true;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      for (int g = 0; g < groups; ++g, ++xs) {
-        const int slot = xs % l.x_stages;
-        if (xs >= l.x_stages) mbarrier_wait(&x_empty[slot], (xs / l.x_stages - 1) & 1);
+      for (int g = 0; g < groups; ++g) {
+        const int slot = at.slot;
+        if (!first_round) mbarrier_wait(&x_empty[slot], at.phase ^ 1u);
+        at.advance(1, l.x_stages);
+        first_round = first_round && at.slot != 0;
         mbarrier_arrive_expect_bytes(&x_full[slot], l.x_slot_bytes());
         // group g: rows x_rows (g / 2) .. of warpgroup g % 2
         const int row = tile * kWgTileRows + (g % 2) * 64 + (g / 2) * l.x_rows;
@@ -1165,8 +1220,24 @@ void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std
                                                layout.cp, layout.cp, kWgChunkCols);
   const CUtensorMap x_map = make_tensor_map_rows(kOp, p.dtype, p.x, pa.m, p.c, x_ld, layout.x_rows,
                                                  layout.x_box_c);
+  // left, right and gate leave through the copy engine where the planes have no row padding (a
+  // tile's 64 rows are then one run of each plane): boxes of 64 rows by 32 channels of a
+  // [B, H, N N] tensor, clipped at H.
+  std::optional<CUtensorMap> planes[3];
+  if (pa.ldn == pa.n) {
+    const std::int64_t nn = pa.n * pa.n;
+    const std::int64_t dims[4] = {nn, pa.h, p.b, 1};
+    const std::int64_t strides[3] = {pa.plane, pa.h * pa.plane, p.b * pa.h * pa.plane};
+    __half* const bases[3] = {pa.left, pa.right, pa.gate};
+    for (int i = 0; i < 3; ++i) {
+      planes[i] = make_tensor_map_4d(kOp, DType::Float16, bases[i], dims, strides, kChunkD);
+    }
+  }
+  const bool by_copy = planes[0] && planes[1] && planes[2];
   const int blocks = std::min(tiles, multiprocessor_count(device));
-  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(w_map, x_map, pa, layout, tiles);
+  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(
+      w_map, x_map, by_copy ? *planes[0] : w_map, by_copy ? *planes[1] : w_map,
+      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy);
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
 }
 
