@@ -563,19 +563,18 @@ struct WgProjectLayout {
 #ifdef FUSEKIT_WGMMA  // the device code of wg_project, compiled for sm_90a only
 
 
-// LayerNorm_C of rows r0, r0 + 4, r0 + 8 and r0 + 12 (those below x_rows) of an x slot into rows
-// a_row0 + ... of a warpgroup's swizzled A tile, by one warp; four rows at once, so that their
-// reductions overlap. Sums are of x - x[0] (no digits lost to a large mean), two passes over
+// LayerNorm_C of kRows rows r0, r0 + 4, ... (those below x_rows) of an x slot into rows a_row0 +
+// ... of a warpgroup's swizzled A tile, by one warp; the rows at once, so that their reductions
+// overlap (kRows = x_rows / 4: a slot's rows over the warpgroup's four warps, no idle rows). Sums are of x - x[0] (no digits lost to a large mean), two passes over
 // values held in registers.
 // `src` is where the lane's values lie from a row's start in the slot (see wg_project_consume),
 // `ln` the LayerNorm's weight and bias in shared memory (zeros from C to cp); a lane holds
 // kQuads groups of four values of a row, C <= 128 kQuads.
-template <typename T, int kQuads>
+template <typename T, int kQuads, int kRows>
 __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProjectLayout& l,
                                                     const int (&src)[kQuads], const float* ln,
                                                     int r0, int c, float eps,
                                                     unsigned char* a_tile, int a_row0) {
-  constexpr int kRows = 4;
   const int lane = threadIdx.x & 31;
   float v[kRows][kQuads][4];
   float sum[kRows], sq[kRows];
@@ -695,8 +694,13 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     for (int within = 0; within < groups / 2; ++within) {
       mbarrier_wait(&x_full[x_at.slot], x_at.phase);
       const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
-      for (int r0 = warp; r0 < l.x_rows; r0 += 16) {
-        normalise_slot_rows<T, kQuads>(rows, l, src, ln, r0, c, a.eps, a_tile, within * l.x_rows + r0);
+      const int a_row0 = within * l.x_rows + warp;
+      if (l.x_rows == 16) {
+        normalise_slot_rows<T, kQuads, 4>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+      } else if (l.x_rows == 8) {
+        normalise_slot_rows<T, kQuads, 2>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+      } else {
+        normalise_slot_rows<T, kQuads, 1>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
       }
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&x_empty[x_at.slot]);
@@ -1001,7 +1005,7 @@ struct OutputArgs {
 };
 
 // Shared memory of the output kernel, in bytes: to_out ([wo_rows][hp + 8]), then the tile slots,
-// each p then gate ([hp][64 + 8]).
+// each p then gate ([hp][64 + 8]), then the LayerNorm's weight and bias ([2][hp] float32).
 struct OutputLayout {
   int hp = 0, wo_rows = 0;
   __host__ __device__ OutputLayout(int hp_, int wo_rows_) : hp(hp_), wo_rows(wo_rows_) {}
@@ -1010,14 +1014,16 @@ struct OutputLayout {
   __host__ __device__ std::size_t slot(int s) const {
     return std::size_t(wo_rows) * wo_pitch() * 2 + s * slot_bytes();
   }
-  __host__ __device__ std::size_t bytes() const { return slot(kOutStages); }
+  __host__ __device__ std::size_t ln() const { return slot(kOutStages); }
+  __host__ __device__ std::size_t bytes() const { return ln() + std::size_t(2) * hp * 4; }
 };
 
 // LayerNorm over H of a staged tile, times the gate, written over p as float16; rows from `valid`
 // on and channels from H on become zeros. Warp w takes rows 8 w .. 8 w + 7: lane l the rows
 // 8 w + 2 (l % 4) and the one after as a pair, over the channels l / 4 + 8 k.
 __device__ __forceinline__ void normalise_output_tile(__half* p, const __half* gate,
-                                                      const OutputArgs& a, int valid) {
+                                                      const float* ln, const OutputArgs& a,
+                                                      int valid) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r = 8 * warp + 2 * (lane & 3), first = lane >> 2;
   const int h = static_cast<int>(a.h);
@@ -1054,7 +1060,7 @@ __device__ __forceinline__ void normalise_output_tile(__half* p, const __half* g
     float2 o = make_float2(0.0f, 0.0f);
     if (d < h) {
       const float2 v = at(p, d), g = at(gate, d);
-      const float w = a.ln_weight[d], b = a.ln_bias[d];
+      const float w = ln[d], b = ln[a.hp + d];
       // rows past the tile's end hold whatever was staged there before: zeros instead
       o.x = r < valid ? ((v.x - mean.x) * rstd0 * w + b) * g.x : 0.0f;
       o.y = r + 1 < valid ? ((v.y - mean.y) * rstd1 * w + b) * g.y : 0.0f;
@@ -1114,6 +1120,11 @@ __global__ void __launch_bounds__(kThreads, 2) output(OutputArgs a) {
 
   if (a.resident) load_wo(0, a.chunks * kOutChunkCols);  // lands with the first tile
   load_tile(blockIdx.x, 0);
+  float* const ln = reinterpret_cast<float*>(smem + l.ln());  // (read after the loop's first barrier)
+  for (int d = tid; d < a.hp; d += kThreads) {
+    ln[d] = d < h ? a.ln_weight[d] : 0.0f;
+    ln[a.hp + d] = d < h ? a.ln_bias[d] : 0.0f;
+  }
   T* const out = static_cast<T*>(a.out);
   int it = 0;
   for (std::int64_t t = blockIdx.x; t < a.tiles; t += gridDim.x, ++it) {
@@ -1123,7 +1134,7 @@ __global__ void __launch_bounds__(kThreads, 2) output(OutputArgs a) {
     __syncthreads();
     const Tile tile = tile_at(t);
     __half* const as = slot_p(s);
-    normalise_output_tile(as, slot_gate(s), a, tile.valid);
+    normalise_output_tile(as, slot_gate(s), ln, a, tile.valid);
     __syncthreads();
 
     const std::int64_t out_base =
