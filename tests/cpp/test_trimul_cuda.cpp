@@ -112,7 +112,9 @@ TrimulCase with_dtypes(TrimulCase c, const DtypeCase& d) {
 
 // Both directions, batch 1 to 8, N of 1, 7, 12, 16, 20, 24 and 33, C of 1, 3, 4, 40, 64, 96 and
 // 1000 (beyond the model's 768), H of 1, 24, 40, 128 and 200 (above the model's 128), normal and
-// Cauchy inputs, with and without masks; most sizes fill no whole tile.
+// Cauchy inputs, with and without masks; most sizes fill no whole tile. N a multiple of 8 (16,
+// 24) sends the warpgroup projection's planes through the copy engine, whose boxes of 32
+// channels must stop at H within each batch (B = 2 with H = 24).
 //
 // The Frobenius bound holds where the float16 rounding errors average out over many outputs.
 // C = 1 (LayerNorm over one channel drops x: every output is the same value), C = 3 and H = 1
@@ -131,6 +133,7 @@ const TrimulCase kCases[] = {
     {2, 33, 40, 24, kIncoming, TrimulMask::Random, TrimulDist::Cauchy},
     {2, 33, 40, 24, kOutgoing, TrimulMask::None, TrimulDist::Cauchy},
     {2, 16, 64, 128, kOutgoing, TrimulMask::Random},
+    {2, 16, 40, 24, kIncoming, TrimulMask::Random},  // H = 24 in planes copied as boxes of 32 channels
     {1, 20, 96, 200, kIncoming, TrimulMask::None, TrimulDist::Cauchy},
     {1, 24, 1000, 40, kOutgoing, TrimulMask::Random},
 };

@@ -522,8 +522,9 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 // the MMAs read. The weight producer warp streams the packed weights, 160 rows (the five
 // projections of 32 channels) by 64 k a slot, through a ring both warpgroups read. A chunk of 32
 // channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the epilogue applies mask
-// and gates and writes left, right and gate through shared memory as the mma.sync kernel does,
-// while the other warpgroup's MMAs run.
+// and gates, stages left, right and gate by transposing stmatrix as swizzled boxes of 32 channels
+// by 64 rows, and one thread of the warpgroup sends them to their planes by the copy engine
+// (threads copy them where the planes have padded rows).
 
 constexpr int kWgTileRows = 128;
 constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer, the x producer
