@@ -676,6 +676,8 @@ struct WgConfig {
   static_assert(kD == 64 || kD == 128);
   static_assert(kBlockN == 64 || kBlockN == 128);
   static_assert(kStages >= 2);
+  static_assert(32 * (kProducerWarp + 1) == kThreads, "the producer is the block's last warp");
+  static_assert(kReaderWarps % 4 == 0 && kReaderWarps <= 4 * kConsumers, "whole warpgroups read");
   // Split keys: each warpgroup always meets the same slots, so a full barrier's parity only
   // ever tells apart phases of its own tiles.
   // Two slots of its own at least, so that a warpgroup's next tile arrives while it works.
