@@ -955,6 +955,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_commit();
       wgmma_wait<0>();  // also the previous chunk's GEMM2, which read the fragments below
+      wgmma_fence_operands(acc1);
       std::uint32_t ag[kWgHidden / 16][4];
 #pragma unroll
       for (int kk = 0; kk < kWgHidden / 16; ++kk) {
@@ -969,6 +970,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_commit();
     }
     wgmma_wait<0>();
+    wgmma_fence_operands(acc2);
 
     // out = x + residual_scale * acc2: lane (g, q) of warp w holds rows 16 w + g (+ 8), columns
     // 8 j + 2 q + {0, 1} in acc2[4 j + 2 h2 + {0, 1}]. The residual x (an L2 hit: the tile was

@@ -589,6 +589,7 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
     if (step > 0 && lane == 0) mbarrier_arrive(&empty[(step - 1) % C::kStages]);
   }
   wgmma_wait<0>();
+  wgmma_fence_operands(acc);  // the epilogue's reads stay below the wait
 
   // Both warpgroups are done with the slots (every step arrived and was read): they stage the
   // output there. acc[4 j + e] is weight row r = 16 (warp % 4) + lane / 4 + 8 (e / 2) of the

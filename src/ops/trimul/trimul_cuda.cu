@@ -729,6 +729,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
         w_at.advance(1, l.w_stages);
       }
       wgmma_wait<0>();
+      wgmma_fence_operands(acc);  // the epilogue's reads stay below the wait
       if (lane == 0) mbarrier_arrive(&w_empty[previous]);
 
       // acc[4 j + e] is row 16 warp + lane / 4 + 8 (e / 2) and column 8 j + 2 (lane % 4) + e % 2
