@@ -35,17 +35,23 @@ CUtensorMapDataType data_type(const char* what, DType dtype) {
 }
 
 // Encodes a map of `rank` dims (innermost first; strides in bytes of dims 1 .. rank - 1) after
-// the public functions' checks.
+// the public functions' checks into `map`; the driver's status.
+CUresult try_encode(CUtensorMap& map, const char* what, DType dtype, const void* base, int rank,
+                    const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                    CUtensorMapSwizzle swizzle) {
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  return encoder()(&map, data_type(what, dtype), static_cast<cuuint32_t>(rank),
+                   const_cast<void*>(base), dims, strides, box, element_strides,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// The same, a refused layout being an error.
 CUtensorMap encode(const char* what, DType dtype, const void* base, int rank,
                    const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
                    CUtensorMapSwizzle swizzle) {
   CUtensorMap map{};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult status = encoder()(&map, data_type(what, dtype), static_cast<cuuint32_t>(rank),
-                                    const_cast<void*>(base), dims, strides, box, element_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult status = try_encode(map, what, dtype, base, rank, dims, strides, box, swizzle);
   FUSEKIT_CHECK(status == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed with CUresult ",
                 static_cast<int>(status), " (", rank, "-d, innermost ", dims[0], " elements)");
   return map;
@@ -105,12 +111,9 @@ std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, con
                            static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
   CUtensorMap map{};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult status = encoder()(&map, data_type(what, dtype), 4, const_cast<void*>(base), d, s,
-                                    box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (status != CUDA_SUCCESS) return std::nullopt;
+  if (try_encode(map, what, dtype, base, 4, d, s, box, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS) {
+    return std::nullopt;
+  }
   return map;
 }
 
