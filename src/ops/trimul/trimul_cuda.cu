@@ -988,6 +988,7 @@ constexpr int kOutTileRows = 64;                  // rows (j) of an output tile
 constexpr int kOutPitch = kOutTileRows + 8;       // halves per staged channel: ldmatrix rows on distinct banks
 constexpr int kOutChunkCols = 128;                // output columns per product chunk: 2 x 4 warps of 32 x 32
 constexpr int kOutStages = 2;                     // tiles in shared memory: this one and the next
+constexpr int kOutBlocksPerSm = 2;                // blocks a multiprocessor, where shared memory allows
 
 struct OutputArgs {
   const __half* p;     // planes [B, H] of [N, ldn], scaled by 1/N
@@ -1072,7 +1073,7 @@ __device__ __forceinline__ void normalise_output_tile(__half* p, const __half* g
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) output(OutputArgs a) {
+__global__ void __launch_bounds__(kThreads, kOutBlocksPerSm) output(OutputArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const OutputLayout l(a.hp, a.resident ? a.chunks * kOutChunkCols : kOutChunkCols);
   auto* const wo = reinterpret_cast<__half*>(smem);
@@ -1420,17 +1421,16 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   oa.eps = static_cast<float>(static_cast<double>(p.eps) / (static_cast<double>(p.n) * p.n));
   oa.out = p.out;
   for (int d = 0; d < 3; ++d) oa.out_stride[d] = p.out_stride[d];
-  // Persistent: as many blocks as fit on the device at once, each taking every gridDim-th tile.
+  // Persistent: as many blocks as fit on the device at once (kOutBlocksPerSm a multiprocessor
+  // where their shared memory fits, else one), each taking every gridDim-th tile.
   const std::size_t out_bytes = out_layout.bytes();
-  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(output<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(out_bytes)));
-  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(output<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-  int per_sm = 0;
-  FUSEKIT_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, output<T>, kThreads, out_bytes));
+  static std::atomic<bool> allowed[kMaxDevices];
+  allow_shared_memory(output<T>, static_cast<std::size_t>(smem_limit), device, allowed, true,
+                      [] { return concat(kOp, ": the output kernel"); });
+  const int per_sm =
+      kOutBlocksPerSm * (out_bytes + 1024) <= static_cast<std::size_t>(smem_per_sm) ? kOutBlocksPerSm : 1;
   const std::int64_t out_blocks =
-      std::min<std::int64_t>(oa.tiles, std::int64_t{std::max(per_sm, 1)} * multiprocessor_count(device));
+      std::min<std::int64_t>(oa.tiles, std::int64_t{per_sm} * multiprocessor_count(device));
   output<T><<<static_cast<unsigned>(out_blocks), kThreads, out_bytes, stream>>>(oa);
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul output");
 }
