@@ -29,7 +29,7 @@ std::uint32_t alignment_of(const void* p);
 /// The descriptors of one matrix product, destroyed on every way out.
 struct LtObjects {
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
   LtObjects() = default;
   LtObjects(const LtObjects&) = delete;
@@ -37,6 +37,7 @@ struct LtObjects {
   ~LtObjects() {
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (d) cublasLtMatrixLayoutDestroy(d);
+    if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (desc) cublasLtMatmulDescDestroy(desc);

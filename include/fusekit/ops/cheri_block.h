@@ -20,17 +20,22 @@
 // Precision: statistics in float32 from two passes (the mean, then squared deviations), never
 // E[y^2] - mean^2. The training path's two products use TF32 tensor cores for float32 inputs when
 // `allow_tf32` (as the model trains); false keeps full float32 products. The inference path may
-// run its products in half precision (see the backends). The CPU backend computes in float32 with
-// double statistics.
+// run its products in half precision (see the backends), and so may the float32 training forward
+// with `allow_tf32` (float16 operands keep TF32's 10 bits of mantissa). The CPU backend computes
+// in float32 with double statistics.
 // Determinism: every output and gradient is bitwise the same on every run, the first included:
 // the reductions over N and L (the weight gradients, the statistics) run in a fixed order.
 // Temporary memory (CUDA, stream-ordered): dilated_conv_norm and the inference forward a few
-// bytes per example and the packed weights; the training forward about (2 C + E C) N L float32
-// values, its backward about (3 C + 2 E C) N L float32 values plus one [E C, C] float32 partial per
-// 4096 rows for each linear weight gradient. The inference forward on CUDA runs its products on
-// float16 operands with float32 accumulation where C is 64 or 128 (E C a multiple of 64, rows of
-// x and out 16-byte aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a;
-// other shapes take the training forward's products.
+// bytes per example and the packed weights (so does the training forward where it takes the
+// fused kernel, below); else the training forward about (C + E C) N L float32 values (2 C + E C
+// for half precision or strided x and out); the backward about (C + 2 E C) N L float32 values
+// (one C more for half precision or strided grad_out) plus one [E C, C] float32 partial per 4096
+// rows for each linear weight gradient.
+// The inference forward on CUDA runs its products on float16 operands with float32 accumulation
+// in one fused kernel where C is 64 or 128 (E C a multiple of 64, rows of x and out 16-byte
+// aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a; other shapes take
+// the training forward's products. The float32 training forward with `allow_tf32` takes the same
+// kernel where it applies.
 // Aliasing: no output may overlap an input or another output (checked).
 // Stream: CUDA work is enqueued on `stream` without synchronising; calls can be captured in CUDA
 // graphs. On the CPU a call returns when its results are written.
