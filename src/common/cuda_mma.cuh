@@ -77,6 +77,11 @@ __device__ __forceinline__ std::uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
 
+/// The two floats of a register holding two float16 (lo in the low half), as pack_half2 made it.
+__device__ __forceinline__ float2 unpack_half2(std::uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
 /// c += a b for a 16x16 (row-major) by 16x8 (column-major) float16 tile pair.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const std::uint32_t (&a)[4],
                                           std::uint32_t b0, std::uint32_t b1) {

@@ -350,6 +350,35 @@ TEST_F(CheriCudaMisc, ZeroMlpWeightsGiveX) {
   }
 }
 
+TEST_F(CheriCudaMisc, GradientsOfAnyScale) {
+  // The backward's front kernel (float32 with TF32, C of 64 and 128) rounds grad_out to float16
+  // after a power of two per row: gradients far outside float16's range, and rows of scales 1e40
+  // apart, keep TF32's accuracy (a scale leaking from one row to another would overflow or flush
+  // the other). C = 80 takes cuBLASLt throughout.
+  struct Scaling {
+    const char* name;
+    double (*factor)(std::int64_t row);
+  };
+  const Scaling scalings[] = {
+      {"1e-30", [](std::int64_t) { return 1e-30; }},
+      {"1e+30", [](std::int64_t) { return 1e30; }},
+      {"1e-20, 1, 1e+20 by row",
+       [](std::int64_t r) { return r % 3 == 0 ? 1e-20 : r % 3 == 1 ? 1.0 : 1e20; }},
+  };
+  for (const CheriCase& c : {CheriCase{2, 70, 128, 2, 4}, CheriCase{3, 45, 64, 2, 8},
+                             CheriCase{2, 30, 80, 2, 2}}) {
+    const CheriInputs base = make_cheri_inputs(c, rng_);
+    for (const Scaling& scaling : scalings) {
+      SCOPED_TRACE(cheri_case_name(c) + ", grad_out times " + scaling.name);
+      CheriInputs in = base;
+      for (std::size_t i = 0; i < in.grad_out.values.size(); ++i) {
+        in.grad_out.values[i] *= scaling.factor(static_cast<std::int64_t>(i) / c.c);
+      }
+      check_block(in, c, {});
+    }
+  }
+}
+
 TEST_F(CheriCudaMisc, EmptyBatch) {
   // N = 0: the forwards write nothing; the backwards write zero weight gradients.
   const CheriCase c{0, 5, 16, 2, 1};

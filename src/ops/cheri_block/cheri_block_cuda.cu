@@ -638,6 +638,12 @@ __device__ __forceinline__ float2 to_float2(float2 v) { return v; }
 __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
 __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
 
+/// Per-example statistics as the fused kernels read them: data[n * stride].
+struct StatRef {
+  const float* data;
+  std::int64_t stride = 1;
+};
+
 /// A row (n, l) of the [N L] rows of the plane.
 struct PlaneRow {
   std::int64_t n, l;
@@ -662,8 +668,7 @@ template <typename T, int kC, int kTileRows, typename Keep>
 __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16][4], const T* xs,
                                                     int r0, PlaneRow first,
                                                     const CheriBlockParams& p, const float* cw,
-                                                    const float* mean, const float* rstd,
-                                                    Keep&& keep) {
+                                                    StatRef mean, StatRef rstd, Keep&& keep) {
   using Pair = typename PairOf<T>::type;
   constexpr int kLdX = kXTileLd<kC>;
   const int lane = threadIdx.x % kWarpSize, g = lane / 4, q = lane % 4;
@@ -681,7 +686,8 @@ __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16]
     const T* left = !has_left ? mid : (r >= d ? mid - d * kLdX : row_of<T>(p.x, n, l - d));
     const T* right =
         !has_right ? mid : (r + d < kTileRows ? mid + d * kLdX : row_of<T>(p.x, n, l + d));
-    const float m = live ? mean[n] : 0.0f, rs = live ? rstd[n] : 0.0f;
+    const float m = live ? mean.data[n * mean.stride] : 0.0f;
+    const float rs = live ? rstd.data[n * rstd.stride] : 0.0f;
 #pragma unroll
     for (int ks = 0; ks < kC / 16; ++ks) {
 #pragma unroll
@@ -805,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Pair xr[kNT][2];
     const std::int64_t first = tile * kRowTile;
     conv_norm_fragments<T, kC, kRowTile>(af, xs, 16 * warp, {first / len, first % len}, p, cw,
-                                         mean, rstd,
+                                         {mean}, {rstd},
                                          [&](int nt, int h2, Pair xm) { xr[nt][h2] = xm; });
     __syncthreads();  // every warp is done with xs
     if (tile + gridDim.x < tiles) issue_x(tile + gridDim.x);
@@ -895,17 +901,47 @@ __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int c
   }
 }
 
+/// Thread t (of a warpgroup's 128) of the copy of tile `tile` (kWgRows rows of (n, l)) of x into
+/// xs by cp.async, one commit group: piece t % groups of rows t / groups + k (128 / groups).
+template <typename T, int kC>
+__device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const CheriBlockParams& p,
+                                            int t) {
+  constexpr int kV = kVec16<T>;
+  constexpr int kLdX = kXTileLd<kC>;
+  constexpr int kGroups = kC / kV;                     // 16-byte pieces per row
+  constexpr int kRowsPerPass = kWgThreads / kGroups;   // rows one pass of a warpgroup copies
+  static_assert(kWgThreads % kGroups == 0 && kWgRows % kRowsPerPass == 0, "whole rows per pass");
+  const std::int64_t len = p.l;
+  const int r0 = t / kGroups, piece = t % kGroups;
+  const std::int64_t first = tile * kWgRows;
+  const PlaneRow start{first / len, first % len};
+  T* dst = xs + r0 * kLdX + piece * kV;
+  if (start.l + kWgRows <= len) {  // rows of one example: a pointer step per row
+    const T* src = row_of<T>(p.x, start.n, start.l + r0) + piece * kV;
+    const std::int64_t step = kRowsPerPass * p.x.stride[1];
+#pragma unroll
+    for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
+      cp_async_16(dst + u * kRowsPerPass * kLdX, src + u * step);
+    }
+  } else {
+#pragma unroll 1
+    for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
+      const PlaneRow at = plane_row(start, r0 + u * kRowsPerPass, len);
+      if (at.n < p.n) {
+        cp_async_16(dst + u * kRowsPerPass * kLdX, row_of<T>(p.x, at.n, at.l) + piece * kV);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
 template <typename T, int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_inference_wgmma_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
                                  const float* w2, const float* mean, const float* rstd) {
   using Pair = typename PairOf<T>::type;
-  constexpr int kV = kVec16<T>;
   constexpr int kLdX = kXTileLd<kC>;
   constexpr int kKSteps = kC / 16;
-  constexpr int kGroups = kC / kV;                     // 16-byte pieces per row
-  constexpr int kRowsPerPass = kWgThreads / kGroups;   // rows one pass of a warpgroup copies
-  static_assert(kWgThreads % kGroups == 0 && kWgRows % kRowsPerPass == 0, "whole rows per pass");
   static_assert(kThreads == 2 * kWgThreads, "two warpgroups");
   const int hidden = static_cast<int>(p.hidden);
   extern __shared__ unsigned char smem_raw[];
@@ -929,31 +965,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
   const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
   const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
-  // The tile's rows into xs: thread t copies piece t % kGroups of rows t / kGroups + k
-  // kRowsPerPass.
-  const auto issue_x = [&](std::int64_t tile) {
-    const int r0 = t / kGroups, piece = t % kGroups;
-    const std::int64_t first = tile * kWgRows;
-    const PlaneRow start{first / len, first % len};
-    T* dst = xs + r0 * kLdX + piece * kV;
-    if (start.l + kWgRows <= len) {  // rows of one example: a pointer step per row
-      const T* src = row_of<T>(p.x, start.n, start.l + r0) + piece * kV;
-      const std::int64_t step = kRowsPerPass * p.x.stride[1];
-#pragma unroll
-      for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
-        cp_async_16(dst + u * kRowsPerPass * kLdX, src + u * step);
-      }
-    } else {
-#pragma unroll 1
-      for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
-        const PlaneRow at = plane_row(start, r0 + u * kRowsPerPass, len);
-        if (at.n < p.n) {
-          cp_async_16(dst + u * kRowsPerPass * kLdX, row_of<T>(p.x, at.n, at.l) + piece * kV);
-        }
-      }
-    }
-    cp_async_commit();
-  };
+  const auto issue_x = [&](std::int64_t tile) { copy_x_tile<T, kC>(xs, tile, p, t); };
 
   std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
   if (tile < tiles) issue_x(tile);
@@ -962,8 +974,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     sync_warpgroup();  // this tile's x landed (every thread's copies)
     const PlaneRow first{tile * kWgRows / len, tile * kWgRows % len};
     std::uint32_t af[kKSteps][4];
-    conv_norm_fragments<T, kC, kWgRows>(af, xs, 16 * (t / kWarpSize), first, p, cw, mean, rstd,
-                                        [](int, int, Pair) {});
+    conv_norm_fragments<T, kC, kWgRows>(af, xs, 16 * (t / kWarpSize), first, p, cw, {mean},
+                                        {rstd}, [](int, int, Pair) {});
     sync_warpgroup();  // every warp is done with xs
     if (tile + stride < tiles) issue_x(tile + stride);
 
@@ -1025,6 +1037,144 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float2 v = to_float2(xr[j][h2]);
         store_pair<T>(dst + 8 * j + 2 * q, v.x + p.residual_scale * acc2[4 * j + 2 * h2],
                       v.y + p.residual_scale * acc2[4 * j + 2 * h2 + 1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// The front of the training backward on the same machinery (sm_90a, float32 x with TF32
+// allowed): per warpgroup tile of 64 rows, y (conv + norm) and grad_out as float16 A fragments,
+// then per 64 hidden columns h = y W1^T and e = grad_out W2 as two wgmma chains on the tile, and
+// in float32 g = GELU(h), dg = residual_scale e GELU'(h). It writes y, g and dg (float32, dense
+// [N L, C] and [N L, E C]) for the weight-gradient products and dy = dg W1, replacing four passes
+// (conv + norm, two products, GELU and GELU') over float32 buffers. Each row of grad_out is scaled
+// by a power of two that brings its largest value into [2^14, 2^15) before its rounding to
+// float16, so that gradients of any size keep TF32's 10 bits of mantissa (values below 2^-28 of
+// their row's largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100
+// only. W2^T [E C, C] arrives packed, so that both products read their B operand as the
+// inference kernel reads linear1.
+template <int kC>
+__global__ void __launch_bounds__(kThreads, 1)
+    cheri_backward_front_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
+                                const float* w2t, float* y, float* gelu_h, float* dg) {
+  using T = float;
+  constexpr int kLdX = kXTileLd<kC>;
+  constexpr int kKSteps = kC / 16;
+  static_assert(kThreads == 2 * kWgThreads, "two warpgroups");
+  const int hidden = static_cast<int>(p.hidden);
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - shared_address(smem_raw) % 1024) % 1024);
+  unsigned char* w1s = smem;                                              // [C / 64][E C][64]
+  unsigned char* w2s = w1s + static_cast<std::size_t>(hidden) * kC * 2;  // [C / 64][E C][64]
+  T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
+  float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
+
+  stage_swizzled(w1, hidden, kC, w1s);
+  stage_swizzled(w2t, hidden, kC, w2s);
+  for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
+  fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
+  __syncthreads();
+
+  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4, r0 = 16 * (t / kWarpSize);
+  T* xs = xs_all + wg * kWgRows * kLdX;
+  const std::uint64_t w1_desc = swizzled_descriptor(w1s), w2_desc = swizzled_descriptor(w2s);
+  const auto w_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of a weight
+  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
+  const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
+  const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
+
+  std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
+  if (tile < tiles) copy_x_tile<T, kC>(xs, tile, p, t);
+  for (; tile < tiles; tile += stride) {
+    cp_async_wait<0>();
+    sync_warpgroup();  // this tile's x landed (every thread's copies)
+    const PlaneRow first{tile * kWgRows / len, tile * kWgRows % len};
+    std::uint32_t af[kKSteps][4];
+    conv_norm_fragments<T, kC, kWgRows>(af, xs, r0, first, p, cw,
+                                        {p.saved_mean.data, p.saved_mean.stride},
+                                        {p.saved_rstd.data, p.saved_rstd.stride},
+                                        [](int, int, float2) {});
+    sync_warpgroup();  // every warp is done with xs
+    if (tile + stride < tiles) copy_x_tile<T, kC>(xs, tile + stride, p, t);
+
+    // The thread's rows r0 + g + 8 h2 of the tile: y out, grad_out in (scaled per row).
+    std::uint32_t ad[kKSteps][4];
+    float unscale[2];  // residual_scale / the row's power of two
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+      const PlaneRow at = plane_row(first, r0 + g + 8 * h2, len);
+      const bool live = at.n < p.n;
+      float2 v[kKSteps][2];
+      float largest = 0.0f;
+      const float* go = live ? row_of<T>(p.grad_out, at.n, at.l) : nullptr;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int c = 16 * ks + 8 * j + 2 * q;
+          v[ks][j] = live ? *reinterpret_cast<const float2*>(go + c) : make_float2(0.0f, 0.0f);
+          largest = fmaxf(largest, fmaxf(fabsf(v[ks][j].x), fabsf(v[ks][j].y)));
+          if (live) {
+            *reinterpret_cast<float2*>(y + row * kC + c) = unpack_half2(af[ks][2 * j + h2]);
+          }
+        }
+      }
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+      // Biased exponents: of the largest value e, of the scale 268 - e (at most 227, 2^100);
+      // NaN and infinity (e = 255) pass through as themselves.
+      const int e = (__float_as_int(largest) >> 23) & 0xff;
+      const int b = min(268 - e, 227);
+      const float scale = __int_as_float(b << 23);
+      unscale[h2] = p.residual_scale * __int_as_float((254 - b) << 23);
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          ad[ks][2 * j + h2] = pack_half2(v[ks][j].x * scale, v[ks][j].y * scale);
+        }
+      }
+    }
+
+    for (int hc = 0; hc < hidden; hc += kWgHidden) {
+      float acc_h[kWgHidden / 2], acc_e[kWgHidden / 2];  // [64, 64] of this hidden chunk
+#pragma unroll
+      for (int i = 0; i < kWgHidden / 2; ++i) acc_h[i] = acc_e[i] = 0.0f;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const std::uint32_t offset = (ks / 4) * w_block + hc * 128 + (ks % 4) * 32;
+        wgmma_rs<__half, kWgHidden>(acc_h, af[ks], advance_descriptor(w1_desc, offset), ks > 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const std::uint32_t offset = (ks / 4) * w_block + hc * 128 + (ks % 4) * 32;
+        wgmma_rs<__half, kWgHidden>(acc_e, ad[ks], advance_descriptor(w2_desc, offset), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(acc_h);
+      wgmma_fence_operands(acc_e);
+      // Lane (g, q) of warp w holds rows 16 w + g (+ 8), columns 8 j + 2 q + {0, 1} of the
+      // chunk in acc[4 j + 2 h2 + {0, 1}].
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+        if (row >= rows) continue;
+        float* g_row = gelu_h + row * hidden + hc + 2 * q;
+        float* dg_row = dg + row * hidden + hc + 2 * q;
+#pragma unroll
+        for (int j = 0; j < kWgHidden / 8; ++j) {
+          const int i = 4 * j + 2 * h2;
+          const GeluAndGrad a = gelu_tanh_and_grad(acc_h[i]);
+          const GeluAndGrad b = gelu_tanh_and_grad(acc_h[i + 1]);
+          *reinterpret_cast<float2*>(g_row + 8 * j) = make_float2(a.value, b.value);
+          *reinterpret_cast<float2*>(dg_row + 8 * j) =
+              make_float2(acc_e[i] * unscale[h2] * a.grad, acc_e[i + 1] * unscale[h2] * b.grad);
+        }
       }
     }
   }
@@ -1415,75 +1565,6 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   });
 }
 
-/// The block's backward through float32 buffers and cuBLASLt. With dz = residual_scale grad_out
-/// (grad_out read in place where it is a float32 matrix, residual_scale then the products' alpha):
-/// h = y W1^T, g = GELU(h), dg = (dz W2) GELU'(h), grad W2 = dz^T g, grad W1 = dg^T y,
-/// dy = dg W1, then the norm's and convolution's backward.
-template <typename T>
-void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
-  const bool tf32 = use_tf32(p);
-  const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
-  const std::int64_t slices = ceil_div(rows, kSliceRows);
-  const std::int64_t ld_go = matrix_ld<T>(p.grad_out, p);
-  Carve carve;
-  const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
-                    o_w2 = carve.take(floats(c * h)), o_y = carve.take(floats(rows * c)),
-                    o_dz = carve.take(floats(ld_go ? 0 : rows * c)),
-                    o_h = carve.take(floats(rows * h)), o_dg = carve.take(floats(rows * h)),
-                    o_p1 = carve.take(floats(slices * h * c)),
-                    o_p2 = carve.take(floats(slices * c * h));
-  const StreamWorkspace ws(carve.total(), stream);
-  const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
-  const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
-  // W2^T [E C, C], so that dz W2 reads its B operand as the forward's products do (transposed,
-  // K contiguous): 301 against 381 us at N512 L1024 C128 on H100.
-  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
-                                  {p.linear2.stride[1], p.linear2.stride[0]}};
-  float* w2t = at<float>(ws, o_w2);
-  pack(w2_transposed, h, c, w2t, device, stream);
-  float* y = at<float>(ws, o_y);
-  float* hid = at<float>(ws, o_h);
-  float* dg = at<float>(ws, o_dg);
-  float* part1 = at<float>(ws, o_p1);
-  float* part2 = at<float>(ws, o_p2);
-  std::int64_t count1 = 0, count2 = 0;
-  if (rows > 0) {
-    conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device, stream);
-    const float* dz = static_cast<const float*>(p.grad_out.data);
-    std::int64_t ld_dz = ld_go;
-    if (!ld_go) {
-      float* dense_dz = at<float>(ws, o_dz);
-      const bool vector = rows_aligned(p.grad_out, p, sizeof(T));
-      with_vec<T>(vector, [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        const PlaneGrid g = plane_grid(p);
-        to_dense_kernel<T, V><<<static_cast<unsigned>(p.n * g.chunks), kThreads, 0, stream>>>(
-            p, p.grad_out, dense_dz, g.rows, g.chunks);
-        FUSEKIT_CUDA_CHECK_LAUNCH("to_dense_kernel");
-      });
-      dz = dense_dz;
-      ld_dz = c;
-    }
-    const float s = p.residual_scale;
-    gemm({.m = rows, .n = h, .k = c, .a = {y, c, false}, .b = {w1, c, true}, .d = hid, .ldd = h},
-         tf32, device, stream);  // h
-    gemm({.m = rows, .n = h, .k = c, .a = {dz, ld_dz, false}, .b = {w2t, c, true}, .d = dg,
-          .ldd = h, .alpha = s},
-         tf32, device, stream);  // dz W2
-    gelu_backward_kernel<<<grid_for(ceil_div(rows * h, 4), device), kThreads, 0, stream>>>(
-        hid, dg, rows * h);
-    FUSEKIT_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
-    count2 = slice_products(rows, c, h, dz, ld_dz, s, hid, part2, tf32, device, stream);
-    count1 = slice_products(rows, h, c, dg, h, 1.0f, y, part1, tf32, device, stream);
-    // dy into y's buffer: the last product that reads y is enqueued above.
-    gemm({.m = rows, .n = c, .k = h, .a = {dg, h, false}, .b = {w1, c, false}, .d = y, .ldd = c},
-         tf32, device, stream);
-  }
-  sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
-  sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
-  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream);
-}
-
 /// Whether the warpgroup-MMA inference kernel for C = kC takes this call (and its rows are
 /// aligned, which fused_fits checks).
 template <typename T, int kC>
@@ -1546,6 +1627,112 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
                                                                      rstd);
     FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_kernel");
   }
+}
+
+/// Whether the backward's front kernel for C = kC takes this call: float32 with TF32 allowed,
+/// rows of x and grad_out aligned, and the inference kernel's conditions.
+template <typename T, int kC>
+bool front_fits(const CheriBlockParams& p, int device) {
+  return std::is_same_v<T, float> && use_tf32(p) && p.c == kC &&
+         rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_out, p, sizeof(T)) &&
+         wgmma_fits<T, kC>(p, device);
+}
+
+template <int kC>
+void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
+                    const float* w2t, float* y, float* gelu_h, float* dg, int device,
+                    cudaStream_t stream) {
+  static std::atomic<bool> allowed[kMaxDevices];
+  const auto kernel = cheri_backward_front_kernel<kC>;
+  allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed, true, [&] {
+    return concat(kOp, ": the backward's front kernel (C = ", kC, ")");
+  });
+  const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
+  const auto blocks =
+      static_cast<unsigned>(std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
+  kernel<<<blocks, kThreads, wgmma_smem_bytes<float, kC>(p.hidden), stream>>>(p, conv_w, w1, w2t,
+                                                                             y, gelu_h, dg);
+  FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
+}
+
+/// The block's backward through float32 buffers and cuBLASLt. With dz = residual_scale grad_out
+/// (grad_out read in place where it is a float32 matrix, residual_scale then the products' alpha):
+/// h = y W1^T, g = GELU(h), dg = (dz W2) GELU'(h), grad W2 = dz^T g, grad W1 = dg^T y,
+/// dy = dg W1, then the norm's and convolution's backward. y, g and dg come from the front kernel
+/// where it applies (float32 with TF32 allowed, C of 64 or 128, sm_90a).
+template <typename T>
+void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  const bool tf32 = use_tf32(p);
+  const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
+  const std::int64_t slices = ceil_div(rows, kSliceRows);
+  const std::int64_t ld_go = matrix_ld<T>(p.grad_out, p);
+  Carve carve;
+  const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
+                    o_w2 = carve.take(floats(c * h)), o_y = carve.take(floats(rows * c)),
+                    o_dz = carve.take(floats(ld_go ? 0 : rows * c)),
+                    o_h = carve.take(floats(rows * h)), o_dg = carve.take(floats(rows * h)),
+                    o_p1 = carve.take(floats(slices * h * c)),
+                    o_p2 = carve.take(floats(slices * c * h));
+  const StreamWorkspace ws(carve.total(), stream);
+  const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
+  const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
+  // W2^T [E C, C]: the front kernel's B operand, and for cuBLASLt a B read as the forward's
+  // products read theirs (K contiguous; 299 against 381 us at N512 L1024 C128 on H100).
+  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
+                                  {p.linear2.stride[1], p.linear2.stride[0]}};
+  float* w2t = at<float>(ws, o_w2);
+  pack(w2_transposed, h, c, w2t, device, stream);
+  float* y = at<float>(ws, o_y);
+  float* hid = at<float>(ws, o_h);
+  float* dg = at<float>(ws, o_dg);
+  float* part1 = at<float>(ws, o_p1);
+  float* part2 = at<float>(ws, o_p2);
+  std::int64_t count1 = 0, count2 = 0;
+  const int front = front_fits<T, 128>(p, device) ? 128 : front_fits<T, 64>(p, device) ? 64 : 0;
+  if (rows > 0) {
+    if (front == 128) {
+      backward_front<128>(p, conv_w, w1, w2t, y, hid, dg, device, stream);
+    } else if (front == 64) {
+      backward_front<64>(p, conv_w, w1, w2t, y, hid, dg, device, stream);
+    } else {
+      conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device,
+                                stream);
+    }
+    const float* dz = static_cast<const float*>(p.grad_out.data);
+    std::int64_t ld_dz = ld_go;
+    if (!ld_go) {
+      float* dense_dz = at<float>(ws, o_dz);
+      const bool vector = rows_aligned(p.grad_out, p, sizeof(T));
+      with_vec<T>(vector, [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const PlaneGrid g = plane_grid(p);
+        to_dense_kernel<T, V><<<static_cast<unsigned>(p.n * g.chunks), kThreads, 0, stream>>>(
+            p, p.grad_out, dense_dz, g.rows, g.chunks);
+        FUSEKIT_CUDA_CHECK_LAUNCH("to_dense_kernel");
+      });
+      dz = dense_dz;
+      ld_dz = c;
+    }
+    const float s = p.residual_scale;
+    if (front == 0) {
+      gemm({.m = rows, .n = h, .k = c, .a = {y, c, false}, .b = {w1, c, true}, .d = hid, .ldd = h},
+           tf32, device, stream);  // h
+      gemm({.m = rows, .n = h, .k = c, .a = {dz, ld_dz, false}, .b = {w2t, c, true}, .d = dg,
+            .ldd = h, .alpha = s},
+           tf32, device, stream);  // dz W2
+      gelu_backward_kernel<<<grid_for(ceil_div(rows * h, 4), device), kThreads, 0, stream>>>(
+          hid, dg, rows * h);
+      FUSEKIT_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
+    }
+    count2 = slice_products(rows, c, h, dz, ld_dz, s, hid, part2, tf32, device, stream);
+    count1 = slice_products(rows, h, c, dg, h, 1.0f, y, part1, tf32, device, stream);
+    // dy into y's buffer: the last product that reads y is enqueued above.
+    gemm({.m = rows, .n = c, .k = h, .a = {dg, h, false}, .b = {w1, c, false}, .d = y, .ldd = c},
+         tf32, device, stream);
+  }
+  sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
+  sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
+  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream);
 }
 
 /// Runs the statistics and a fused kernel when one takes the call (and returns true).
