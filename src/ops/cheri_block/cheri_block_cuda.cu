@@ -479,6 +479,29 @@ __global__ void grad_sums_finalize_kernel(const float* partial, std::int64_t n_e
   means[2 * n + 1] = static_cast<float>(c / plane);
 }
 
+/// Per example (a warp each): mean(dy) and mean(dy y) from the front kernel's per-row sums
+/// [N L, 2], lane i adding rows i, i + 32, ... in double and the lanes then merged in a fixed tree.
+__global__ void row_sums_finalize_kernel(const float* row_sums, std::int64_t n_examples,
+                                         std::int64_t len, double plane, float* means) {
+  const std::int64_t n = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) /
+                         kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (n >= n_examples) return;  // whole warps leave together
+  double a = 0, c = 0;
+  for (std::int64_t r = lane; r < len; r += kWarpSize) {
+    a += row_sums[2 * (n * len + r)];
+    c += row_sums[2 * (n * len + r) + 1];
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    a += __shfl_down_sync(0xffffffffu, a, offset);
+    c += __shfl_down_sync(0xffffffffu, c, offset);
+  }
+  if (lane == 0) {
+    means[2 * n] = static_cast<float>(a / plane);
+    means[2 * n + 1] = static_cast<float>(c / plane);
+  }
+}
+
 struct DconvStats {
   float mean, rstd, mean_dy, mean_dy_y;
 };
@@ -1054,10 +1077,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 // their row's largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100
 // only. W2^T [E C, C] arrives packed, so that both products read their B operand as the
 // inference kernel reads linear1.
+// It also writes, per row r, sum_c dy[r, c] and sum_c dy[r, c] y[r, c] for the norm's backward,
+// without dy = dg W1: they are sum_j dg[r, j] u_j (u = W1 1, the row sums of linear1) and
+// sum_j dg[r, j] h[r, j] (h = y W1^T), from the accumulators.
+template <int kC>
+std::size_t front_smem_bytes(std::int64_t hidden) {
+  return wgmma_smem_bytes<float, kC>(hidden) + static_cast<std::size_t>(hidden) * sizeof(float);
+}
+
 template <int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_backward_front_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
-                                const float* w2t, float* y, float* gelu_h, float* dg) {
+                                const float* w2t, float* y, float* gelu_h, float* dg,
+                                float* row_sums) {
   using T = float;
   constexpr int kLdX = kXTileLd<kC>;
   constexpr int kKSteps = kC / 16;
@@ -1069,10 +1101,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* w2s = w1s + static_cast<std::size_t>(hidden) * kC * 2;  // [C / 64][E C][64]
   T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
   float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
+  float* u = cw + 3 * kC;  // [E C]: the row sums of linear1
 
   stage_swizzled(w1, hidden, kC, w1s);
   stage_swizzled(w2t, hidden, kC, w2s);
   for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
+  for (int j = threadIdx.x; j < hidden; j += kThreads) {
+    float sum = 0.0f;
+    for (int c = 0; c < kC; ++c) sum += w1[static_cast<std::size_t>(j) * kC + c];
+    u[j] = sum;
+  }
   fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
   __syncthreads();
 
@@ -1139,6 +1177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
+    float sum_dy[2] = {0.0f, 0.0f}, sum_dy_y[2] = {0.0f, 0.0f};  // of rows g, g + 8
     for (int hc = 0; hc < hidden; hc += kWgHidden) {
       float acc_h[kWgHidden / 2], acc_e[kWgHidden / 2];  // [64, 64] of this hidden chunk
 #pragma unroll
@@ -1171,10 +1210,27 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int i = 4 * j + 2 * h2;
           const GeluAndGrad a = gelu_tanh_and_grad(acc_h[i]);
           const GeluAndGrad b = gelu_tanh_and_grad(acc_h[i + 1]);
+          const float2 d = make_float2(acc_e[i] * unscale[h2] * a.grad,
+                                       acc_e[i + 1] * unscale[h2] * b.grad);
           *reinterpret_cast<float2*>(g_row + 8 * j) = make_float2(a.value, b.value);
-          *reinterpret_cast<float2*>(dg_row + 8 * j) =
-              make_float2(acc_e[i] * unscale[h2] * a.grad, acc_e[i + 1] * unscale[h2] * b.grad);
+          *reinterpret_cast<float2*>(dg_row + 8 * j) = d;
+          const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
+          sum_dy[h2] += d.x * uj.x + d.y * uj.y;
+          sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
         }
+      }
+    }
+    // The four lanes of a row hold its columns 2 q + 8 j: added in a fixed butterfly (every lane
+    // ends with the same sum), written by lane q = 0.
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      for (int mask = 1; mask <= 2; mask *= 2) {
+        sum_dy[h2] += __shfl_xor_sync(0xffffffffu, sum_dy[h2], mask);
+        sum_dy_y[h2] += __shfl_xor_sync(0xffffffffu, sum_dy_y[h2], mask);
+      }
+      const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+      if (q == 0 && row < rows) {
+        *reinterpret_cast<float2*>(row_sums + 2 * row) = make_float2(sum_dy[h2], sum_dy_y[h2]);
       }
     }
   }
@@ -1307,18 +1363,20 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
 
 /// The backward of the norm and the convolution: grad_x (plus grad_out when `residual`) and
 /// grad_conv_weight, from grad_y of type G (x's dtype in the caller's layout, or dense float32).
+/// `known_means`, where given, holds mean(dy) and mean(dy y) of every example already ([N, 2]).
 template <typename T, typename G>
 void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
-                        bool residual, int device, cudaStream_t stream) {
+                        bool residual, int device, cudaStream_t stream,
+                        const float* known_means = nullptr) {
   const PlaneGrid g = plane_grid(p);
   const std::int64_t blocks = p.n * g.chunks;
   Carve carve;
-  const std::size_t o_sums = carve.take(floats(2 * blocks));
-  const std::size_t o_means = carve.take(floats(2 * p.n));
+  const std::size_t o_sums = carve.take(floats(known_means ? 0 : 2 * blocks));
+  const std::size_t o_means = carve.take(floats(known_means ? 0 : 2 * p.n));
   const std::size_t o_part = carve.take(floats(blocks * 3 * p.c));
   const StreamWorkspace ws(carve.total(), stream);
   float* sums = at<float>(ws, o_sums);
-  float* means = at<float>(ws, o_means);
+  const float* means = known_means ? known_means : at<float>(ws, o_means);
   float* part = at<float>(ws, o_part);
   if (blocks > 0) {
     bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
@@ -1326,13 +1384,17 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
     if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
     with_vec<T>(vector, [&](auto v) {
       constexpr int V = decltype(v)::value;
-      grad_sums_kernel<T, G, V>
-          <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, g.rows,
-                                                                   g.chunks, sums);
-      FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_kernel");
-      grad_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0, stream>>>(
-          sums, p.n, g.chunks, static_cast<double>(p.l * p.c), means);
-      FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
+      if (!known_means) {
+        grad_sums_kernel<T, G, V>
+            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, g.rows,
+                                                                     g.chunks, sums);
+        FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_kernel");
+        grad_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0,
+                                    stream>>>(sums, p.n, g.chunks,
+                                              static_cast<double>(p.l * p.c),
+                                              at<float>(ws, o_means));
+        FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
+      }
       const auto launch = [&](auto kernel) {
         kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, means,
                                                                        g.rows, g.chunks, part);
@@ -1635,13 +1697,16 @@ template <typename T, int kC>
 bool front_fits(const CheriBlockParams& p, int device) {
   return std::is_same_v<T, float> && use_tf32(p) && p.c == kC &&
          rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_out, p, sizeof(T)) &&
-         wgmma_fits<T, kC>(p, device);
+         has_warpgroup_mma(device) && p.hidden % kWgHidden == 0 &&
+         front_smem_bytes<kC>(p.hidden) <=
+             static_cast<std::size_t>(max_shared_memory_per_block(device));
 }
 
+/// The front kernel, then mean(dy) and mean(dy y) of every example into means [N, 2].
 template <int kC>
 void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
-                    const float* w2t, float* y, float* gelu_h, float* dg, int device,
-                    cudaStream_t stream) {
+                    const float* w2t, float* y, float* gelu_h, float* dg, float* row_sums,
+                    float* means, int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
   const auto kernel = cheri_backward_front_kernel<kC>;
   allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed, true, [&] {
@@ -1650,29 +1715,38 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
-  kernel<<<blocks, kThreads, wgmma_smem_bytes<float, kC>(p.hidden), stream>>>(p, conv_w, w1, w2t,
-                                                                             y, gelu_h, dg);
+  kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, y,
+                                                                       gelu_h, dg, row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
+  constexpr int kFinalizeThreads = 128;  // 4 examples a block
+  row_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
+                             kFinalizeThreads, 0, stream>>>(
+      row_sums, p.n, p.l, static_cast<double>(p.l * p.c), means);
+  FUSEKIT_CUDA_CHECK_LAUNCH("row_sums_finalize_kernel");
 }
 
 /// The block's backward through float32 buffers and cuBLASLt. With dz = residual_scale grad_out
 /// (grad_out read in place where it is a float32 matrix, residual_scale then the products' alpha):
 /// h = y W1^T, g = GELU(h), dg = (dz W2) GELU'(h), grad W2 = dz^T g, grad W1 = dg^T y,
-/// dy = dg W1, then the norm's and convolution's backward. y, g and dg come from the front kernel
-/// where it applies (float32 with TF32 allowed, C of 64 or 128, sm_90a).
+/// dy = dg W1, then the norm's and convolution's backward. y, g and dg, and the norm's mean(dy)
+/// and mean(dy y), come from the front kernel where it applies (float32 with TF32 allowed, C of
+/// 64 or 128, sm_90a).
 template <typename T>
 void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const bool tf32 = use_tf32(p);
   const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
   const std::int64_t slices = ceil_div(rows, kSliceRows);
   const std::int64_t ld_go = matrix_ld<T>(p.grad_out, p);
+  const int front = front_fits<T, 128>(p, device) ? 128 : front_fits<T, 64>(p, device) ? 64 : 0;
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)), o_y = carve.take(floats(rows * c)),
                     o_dz = carve.take(floats(ld_go ? 0 : rows * c)),
                     o_h = carve.take(floats(rows * h)), o_dg = carve.take(floats(rows * h)),
                     o_p1 = carve.take(floats(slices * h * c)),
-                    o_p2 = carve.take(floats(slices * c * h));
+                    o_p2 = carve.take(floats(slices * c * h)),
+                    o_rows = carve.take(floats(front ? 2 * rows : 0)),
+                    o_means = carve.take(floats(front ? 2 * p.n : 0));
   const StreamWorkspace ws(carve.total(), stream);
   const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
   const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
@@ -1687,13 +1761,14 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   float* dg = at<float>(ws, o_dg);
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
+  float* means = at<float>(ws, o_means);
   std::int64_t count1 = 0, count2 = 0;
-  const int front = front_fits<T, 128>(p, device) ? 128 : front_fits<T, 64>(p, device) ? 64 : 0;
   if (rows > 0) {
+    float* row_sums = at<float>(ws, o_rows);
     if (front == 128) {
-      backward_front<128>(p, conv_w, w1, w2t, y, hid, dg, device, stream);
+      backward_front<128>(p, conv_w, w1, w2t, y, hid, dg, row_sums, means, device, stream);
     } else if (front == 64) {
-      backward_front<64>(p, conv_w, w1, w2t, y, hid, dg, device, stream);
+      backward_front<64>(p, conv_w, w1, w2t, y, hid, dg, row_sums, means, device, stream);
     } else {
       conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device,
                                 stream);
@@ -1732,7 +1807,8 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   }
   sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
   sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
-  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream);
+  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream,
+                               front != 0 && rows > 0 ? means : nullptr);
 }
 
 /// Runs the statistics and a fused kernel when one takes the call (and returns true).
