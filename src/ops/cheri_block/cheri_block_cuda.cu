@@ -909,6 +909,24 @@ std::size_t wgmma_smem_bytes(std::int64_t hidden) {
          + 3 * kC * sizeof(float);                               // taps
 }
 
+/// The shared memory of the warpgroup kernels (wgmma_smem_bytes): from a 1024-byte-aligned base,
+/// two float16 weights of E C x C elements each (128-byte-swizzled blocks), the two warpgroups' x
+/// tiles [2][kWgRows][kXTileLd] and the taps [3][C]; anything more follows the taps.
+template <typename T, int kC>
+struct WgShared {
+  unsigned char* w1;
+  unsigned char* w2;
+  T* xs;
+  float* cw;
+
+  __device__ WgShared(unsigned char* raw, int hidden) {
+    w1 = raw + ((1024 - shared_address(raw) % 1024) % 1024);
+    w2 = w1 + static_cast<std::size_t>(hidden) * kC * 2;
+    xs = reinterpret_cast<T*>(w2 + static_cast<std::size_t>(hidden) * kC * 2);
+    cw = reinterpret_cast<float*>(xs + 2 * kWgRows * kXTileLd<kC>);
+  }
+};
+
 /// A dense float32 matrix [rows, cols] (cols a multiple of 64, 16-byte aligned) into `dst` as
 /// float16 blocks [cols / 64][rows][64], 128-byte swizzled; the whole block of threads takes part.
 __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int cols,
@@ -968,11 +986,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kThreads == 2 * kWgThreads, "two warpgroups");
   const int hidden = static_cast<int>(p.hidden);
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - shared_address(smem_raw) % 1024) % 1024);
-  unsigned char* w1s = smem;                                     // [C / 64][E C][64]
-  unsigned char* w2s = w1s + static_cast<std::size_t>(hidden) * kC * 2;  // [E C / 64][C][64]
-  T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
-  float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
+  const WgShared<T, kC> shared(smem_raw, hidden);
+  unsigned char* w1s = shared.w1;  // [C / 64][E C][64]
+  unsigned char* w2s = shared.w2;  // [E C / 64][C][64]
+  T* xs_all = shared.xs;
+  float* cw = shared.cw;
 
   stage_swizzled(w1, hidden, kC, w1s);
   stage_swizzled(w2, kC, hidden, w2s);
@@ -1096,11 +1114,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kThreads == 2 * kWgThreads, "two warpgroups");
   const int hidden = static_cast<int>(p.hidden);
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - shared_address(smem_raw) % 1024) % 1024);
-  unsigned char* w1s = smem;                                              // [C / 64][E C][64]
-  unsigned char* w2s = w1s + static_cast<std::size_t>(hidden) * kC * 2;  // [C / 64][E C][64]
-  T* xs_all = reinterpret_cast<T*>(w2s + static_cast<std::size_t>(hidden) * kC * 2);
-  float* cw = reinterpret_cast<float*>(xs_all + 2 * kWgRows * kLdX);
+  const WgShared<T, kC> shared(smem_raw, hidden);
+  unsigned char* w1s = shared.w1;  // [C / 64][E C][64]
+  unsigned char* w2s = shared.w2;  // W2^T, [C / 64][E C][64]
+  T* xs_all = shared.xs;
+  float* cw = shared.cw;
   float* u = cw + 3 * kC;  // [E C]: the row sums of linear1
 
   stage_swizzled(w1, hidden, kC, w1s);
