@@ -21,13 +21,16 @@
 // registers from the tile. C of 64 and 128 with E C a multiple of 64; other shapes (or
 // misaligned rows) take the training forward's path.
 //
-// Training (cheri_block, cheri_block_backward). float32 intermediates, the four activation
-// products and the two weight-gradient products through cuBLASLt (TF32 for float32 inputs when
-// allow_tf32, full float32 otherwise), elementwise kernels between them. float32 x, out and
-// grad_out that are matrices (rows one stride apart) enter the products in place: the forward's
-// second product adds x, the backward reads grad_out with residual_scale as alpha. The weight
-// gradients are strided-batched products over slices of kSliceRows rows, added slice by slice in
-// order.
+// Training (cheri_block, cheri_block_backward). In float32 with allow_tf32 and C of 64 or 128,
+// the forward is the inference path with its statistics kept, and on sm_90a the backward starts
+// with one warpgroup-MMA kernel that writes y, GELU(h), dg and the norm's row sums (see
+// cheri_backward_front_kernel). Otherwise float32 intermediates, the four activation products
+// through cuBLASLt (TF32 for float32 inputs when allow_tf32, full float32 otherwise) and
+// elementwise kernels between them; float32 x, out and grad_out that are matrices (rows one
+// stride apart) enter the products in place: the forward's second product adds x, the backward
+// reads grad_out with residual_scale as alpha. The two weight-gradient products and dy = dg W1
+// always run through cuBLASLt, the weight gradients as strided-batched products over slices of
+// kSliceRows rows, added slice by slice in order.
 //
 // Determinism: no atomics; every reduction has a fixed shape-determined order; cuBLASLt runs the
 // heuristic's first algorithm without split-K reductions.
