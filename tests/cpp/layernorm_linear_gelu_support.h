@@ -173,9 +173,12 @@ inline HostTensor download_lola(const LolaTensors& t, const LolaCase& c) {
 // absolute errors are judged at that scale: atol covers results near 0 (where GELU flattens
 // them), rtol the rest.
 
-/// The CPU backend: float32 throughout, one rounding of the output to the dtype.
+/// The CPU backend: float32 throughout, one rounding of the output to the dtype. The whole
+/// float32 output is held to 1e-5 of its norm, as each element: a handful of outputs on GELU's
+/// flat side carry errors of their pre-GELU size (float32 sums over K = 1000 of unit terms,
+/// 5.5e-7), which against their own small norm has been seen at 2.4e-6 (M = 5, Nout = 1).
 inline Tolerance lola_cpu_tolerance(DType dtype) {
-  if (dtype == DType::Float32) return {2e-5, 1e-5, 2e-6};
+  if (dtype == DType::Float32) return {2e-5, 1e-5, 1e-5};
   const double u = unit_roundoff(dtype);
   return {2e-5, u, u};
 }
@@ -188,7 +191,7 @@ inline Tolerance lola_cpu_tolerance(DType dtype) {
 /// the whole output is judged against 4u of its norm: with a handful of outputs on GELU's flat
 /// side (small values, errors of the pre-GELU size) the ratio has been seen at 2.5u.
 inline Tolerance lola_cuda_tolerance(DType dtype, bool tf32 = true) {
-  if (dtype == DType::Float32 && !tf32) return {2e-5, 1e-5, 2e-6};
+  if (dtype == DType::Float32 && !tf32) return lola_cpu_tolerance(dtype);  // float32 products
   const double u = dtype == DType::Float32 ? 2 * 0x1p-11 : unit_roundoff(dtype);
   return {8 * u, 2 * u, 4 * u};
 }
