@@ -27,10 +27,9 @@
 // the reductions over N and L (the weight gradients, the statistics) run in a fixed order.
 // Temporary memory (CUDA, stream-ordered): dilated_conv_norm and the inference forward a few
 // bytes per example and the packed weights (so does the training forward where it takes the
-// fused kernel, below); else the training forward about (C + E C) N L float32 values (2 C + E C
-// for half precision or strided x and out); the backward about (C + 2 E C) N L float32 values
-// (one C more for half precision or strided grad_out) plus one [E C, C] float32 partial per 4096
-// rows for each linear weight gradient.
+// fused kernel, below); else the training forward about (C + E C) N L float32 values; the
+// backward about (C + 2 E C) N L float32 values (one C more for half precision or strided
+// grad_out) plus one [E C, C] float32 partial per 4096 rows for each linear weight gradient.
 // The inference forward on CUDA runs its products on float16 operands with float32 accumulation
 // in one fused kernel where C is 64 or 128 (E C a multiple of 64, rows of x and out 16-byte
 // aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a; other shapes take

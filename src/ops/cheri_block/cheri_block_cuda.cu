@@ -1615,8 +1615,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
                     o_w2 = carve.take(floats(c * h)),
                     o_part = carve.take(doubles(3 * p.n * g.chunks)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n)),
-                    o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h)),
-                    o_o = carve.take(floats(ld_x && ld_out ? 0 : rows * c));
+                    o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h));
   const StreamWorkspace ws(carve.total(), stream);
   const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
   const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
@@ -1635,8 +1634,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
               .d = static_cast<float*>(p.out.data), .ldd = ld_out, .alpha = p.residual_scale,
               .c = static_cast<const float*>(p.x.data), .ldc = ld_x};
   if (ld_x && ld_out && try_gemm(second, tf32, device, stream)) return;
-  float* mlp = at<float>(ws, o_o);
-  if (ld_x && ld_out) mlp = y;  // no buffer of its own was taken; y is no longer read
+  float* mlp = y;  // y is no longer read
   gemm({.m = rows, .n = c, .k = h, .a = {hid, h, false}, .b = {w2, h, true}, .d = mlp, .ldd = c},
        tf32, device, stream);
   const bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.out, p, sizeof(T));
@@ -1648,13 +1646,18 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   });
 }
 
+/// Whether a warpgroup-MMA kernel taking `smem_bytes` of shared memory can run this call (its
+/// C and the alignment of its rows checked by the caller).
+bool warpgroup_kernel_fits(const CheriBlockParams& p, int device, std::size_t smem_bytes) {
+  return has_warpgroup_mma(device) && p.hidden % kWgHidden == 0 &&
+         smem_bytes <= static_cast<std::size_t>(max_shared_memory_per_block(device));
+}
+
 /// Whether the warpgroup-MMA inference kernel for C = kC takes this call (and its rows are
 /// aligned, which fused_fits checks).
 template <typename T, int kC>
 bool wgmma_fits(const CheriBlockParams& p, int device) {
-  return has_warpgroup_mma(device) && p.hidden % kWgHidden == 0 &&
-         wgmma_smem_bytes<T, kC>(p.hidden) <=
-             static_cast<std::size_t>(max_shared_memory_per_block(device));
+  return warpgroup_kernel_fits(p, device, wgmma_smem_bytes<T, kC>(p.hidden));
 }
 
 /// Whether a fused inference kernel for C = kC takes this call.
@@ -1718,9 +1721,7 @@ template <typename T, int kC>
 bool front_fits(const CheriBlockParams& p, int device) {
   return std::is_same_v<T, float> && use_tf32(p) && p.c == kC &&
          rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_out, p, sizeof(T)) &&
-         has_warpgroup_mma(device) && p.hidden % kWgHidden == 0 &&
-         front_smem_bytes<kC>(p.hidden) <=
-             static_cast<std::size_t>(max_shared_memory_per_block(device));
+         warpgroup_kernel_fits(p, device, front_smem_bytes<kC>(p.hidden));
 }
 
 /// The front kernel, then mean(dy) and mean(dy y) of every example into means [N, 2].
