@@ -82,6 +82,24 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+/// Lowers (raises) the registers of every thread of the calling warpgroup to N, a multiple of 8
+/// from 24 to 256, so that warpgroups with light work leave registers to the others: a kernel
+/// launched at R registers a thread may raise some warpgroups above R by what others gave up.
+template <int N>
+__device__ __forceinline__ void warpgroup_lower_registers() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256);
+#ifdef FUSEKIT_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void warpgroup_raise_registers() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256);
+#ifdef FUSEKIT_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
 /// Makes the compiler take `regs` as read and written at this point: placed after a wait, it
 /// keeps reads of a warpgroup MMA's accumulators from moving above the wait, and the registers of
 /// its A operand from being reused before it.

@@ -19,7 +19,9 @@
 // columns GEMM1 (mma.sync m16n8k16, float32 accumulation), GELU(tanh) in float32 into GEMM2's A
 // fragments, GEMM2 accumulating [16, C] in registers; out = x + residual_scale * acc, x kept in
 // registers from the tile. C of 64 and 128 with E C a multiple of 64; other shapes (or
-// misaligned rows) take the training forward's path.
+// misaligned rows) take the training forward's path. On sm_90a the same block runs on warpgroup
+// MMAs (cheri_inference_wgmma_kernel), and for half-precision x at C = 128 on a warp-specialised
+// kernel (cheri_inference_ws_kernel).
 //
 // Training (cheri_block, cheri_block_backward). In float32 with allow_tf32 and C of 64 or 128,
 // the forward is the inference path with its statistics kept, and on sm_90a the backward starts
@@ -979,6 +981,100 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
   cp_async_commit();
 }
 
+/// out = x + residual_scale * acc for a warpgroup's tile of kWgRows rows from `first`: lane
+/// (g, q) of warp w (thread t of the warpgroup) holds rows 16 w + g (+ 8), columns
+/// 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]. The residual x of a row (an L2 hit: the tile
+/// was just read) is loaded whole before its stores, so that the loads overlap; interleaved with
+/// the stores, which the compiler may not move them past, each would wait for L2 alone.
+template <typename T, int kC>
+__device__ __forceinline__ void store_residual_tile(const CheriBlockParams& p, PlaneRow first,
+                                                    int t, const float (&acc)[kC / 2]) {
+  using Pair = typename PairOf<T>::type;
+  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
+  PlaneRow at = plane_row(first, 16 * (t / kWarpSize) + g, p.l);
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    if (h2 == 1) at = plane_row(at, 8, p.l);
+    if (at.n >= p.n) break;
+    const T* x = row_of<T>(p.x, at.n, at.l);
+    Pair xr[kC / 8];
+#pragma unroll
+    for (int j = 0; j < kC / 8; ++j) xr[j] = *reinterpret_cast<const Pair*>(x + 8 * j + 2 * q);
+    T* dst = out_row_of<T>(p.out, at.n, at.l);
+#pragma unroll
+    for (int j = 0; j < kC / 8; ++j) {
+      const float2 v = to_float2(xr[j]);
+      store_pair<T>(dst + 8 * j + 2 * q, v.x + p.residual_scale * acc[4 * j + 2 * h2],
+                    v.y + p.residual_scale * acc[4 * j + 2 * h2 + 1]);
+    }
+  }
+}
+
+/// out = x + residual_scale * acc as store_residual_tile, with 16-byte accesses: the four lanes
+/// of a row first swap their pairs (a 4 x 4 transpose per 32 columns, two shuffle steps), so that
+/// lane q holds the 8 consecutive columns 8 (4 m + q) .. + 7 of its row for every m.
+template <typename T, int kC>
+__device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, PlaneRow first,
+                                                    int t, const float (&acc)[kC / 2]) {
+  constexpr int kGroups = kC / 32;
+  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
+  const PlaneRow at0 = plane_row(first, 16 * (t / kWarpSize) + g, p.l);
+  const PlaneRow rows[2] = {at0, plane_row(at0, 8, p.l)};
+  float2 v[2][kGroups][4];  // [row half][m][slot]: before, columns 8 (4 m + slot) + 2 q
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const int i = 4 * (4 * m + a) + 2 * h2;
+        v[h2][m][a] = make_float2(acc[i], acc[i + 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int step = 1; step <= 2; step *= 2) {
+    const bool upper = (q & step) != 0;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+      for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          if ((a & step) != 0) continue;
+          float2& keep_low = v[h2][m][a];
+          float2& keep_high = v[h2][m][a ^ step];
+          const float2 send = upper ? keep_low : keep_high;
+          const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, send.x, step),
+                                         __shfl_xor_sync(0xffffffffu, send.y, step));
+          (upper ? keep_low : keep_high) = got;
+        }
+      }
+    }
+  }
+  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}; a row's x is loaded whole
+  // before its stores
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    if (rows[h2].n >= p.n) continue;
+    const T* x = row_of<T>(p.x, rows[h2].n, rows[h2].l);
+    float xv[kGroups][8];
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) load_vec<T, 8>(x + 8 * (4 * m + q), xv[m]);
+    T* dst = out_row_of<T>(p.out, rows[h2].n, rows[h2].l);
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) {
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        o[2 * e] = xv[m][2 * e] + p.residual_scale * v[h2][m][e].x;
+        o[2 * e + 1] = xv[m][2 * e + 1] + p.residual_scale * v[h2][m][e].y;
+      }
+      store_vec<T, 8>(dst + 8 * (4 * m + q), o);
+    }
+  }
+}
+
 template <typename T, int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_inference_wgmma_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
@@ -1002,7 +1098,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
-  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
   T* xs = xs_all + wg * kWgRows * kLdX;
   const std::uint64_t w1_desc = swizzled_descriptor(w1s), w2_desc = swizzled_descriptor(w2s);
   const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
@@ -1057,34 +1152,331 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_operands(acc2);
 
-    // out = x + residual_scale * acc2: lane (g, q) of warp w holds rows 16 w + g (+ 8), columns
-    // 8 j + 2 q + {0, 1} in acc2[4 j + 2 h2 + {0, 1}]. The residual x (an L2 hit: the tile was
-    // just copied in) is loaded whole before any store, so that its loads overlap; interleaved
-    // with the stores, which the compiler may not move them past, each would wait for L2 alone.
-    const PlaneRow at0 = plane_row(first, 16 * (t / kWarpSize) + g, len);
-    const PlaneRow at1 = plane_row(at0, 8, len);
-    const T* x0 = at0.n < p.n ? row_of<T>(p.x, at0.n, at0.l) : nullptr;
-    const T* x1 = at1.n < p.n ? row_of<T>(p.x, at1.n, at1.l) : nullptr;
-    Pair xr[kC / 8][2];
-#pragma unroll
-    for (int j = 0; j < kC / 8; ++j) {
-      if (x0 != nullptr) xr[j][0] = *reinterpret_cast<const Pair*>(x0 + 8 * j + 2 * q);
-      if (x1 != nullptr) xr[j][1] = *reinterpret_cast<const Pair*>(x1 + 8 * j + 2 * q);
-    }
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const PlaneRow at = h2 == 0 ? at0 : at1;
-      if (at.n >= p.n) continue;
-      T* dst = out_row_of<T>(p.out, at.n, at.l);
-#pragma unroll
-      for (int j = 0; j < kC / 8; ++j) {
-        const float2 v = to_float2(xr[j][h2]);
-        store_pair<T>(dst + 8 * j + 2 * q, v.x + p.residual_scale * acc2[4 * j + 2 * h2],
-                      v.y + p.residual_scale * acc2[4 * j + 2 * h2 + 1]);
-      }
-    }
+    store_residual_tile<T, kC>(p, first, t, acc2);
   }
   cp_async_wait<0>();
+}
+
+// The block on warp-specialised warpgroup MMAs (sm_90a), for E = 2 (taken for half-precision x
+// at C = 128, see ws_fits): a producer warpgroup and two consumer warpgroups, with registers
+// moved from the first to the others. The block takes the tiles blockIdx.x + i gridDim.x (64 rows
+// of (n, l) each), in order.
+//   - Producer: a bulk copy brings x of tile i (one copy when its rows are one range of memory,
+//     else one a row) into a ring of kXStages x slots; its 128 threads turn the tile into
+//     A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major layout, in a ring of
+//     kAStages A slots, and hand it over on the slot's full barrier (the taps of rows near the
+//     tile's ends, or all for d of 64 and more, come from global memory).
+//   - Consumer k takes the block's tiles k, k + 2, ...: per 64 hidden columns h = A W1^T (both
+//     operands in shared memory), GELU(h) into registers, out += GELU(h) W2^T (A from registers).
+//     The chunks are software pipelined: h of two chunks in flight, so that the tensor cores run
+//     the next chunk's products while GELU runs; the A slot is released once its last product is
+//     done, and out = x + residual_scale acc is written with 16-byte accesses
+//     (store_residual_rows).
+constexpr int kWsThreads = 3 * kWgThreads;
+// E C of the kernel: 2 C (the block's expansion). Its chunk loop is unrolled whole: across a loop
+// edge ptxas cannot tell the chunks' registers apart and serialises the products.
+template <int kC>
+constexpr int kWsHidden = 2 * kC;
+
+/// Ring sizes of the warp-specialised kernel: what fits in 227 KiB beside the weights at C = 128
+/// (two A and two x slots for float32 x, three of each for half precision).
+template <typename T, int kC>
+constexpr int kWsXStages = kC == 128 && sizeof(T) == 4 ? 2 : 3;
+template <typename T, int kC>
+constexpr int kWsAStages = kWsXStages<T, kC>;
+
+template <typename T, int kC>
+std::size_t ws_smem_bytes(std::int64_t hidden) {
+  const auto h = static_cast<std::size_t>(hidden);
+  return 1024                                                           // alignment to 1024
+         + 2 * h * kC * sizeof(__half)                                  // linear1, linear2
+         + kWsAStages<T, kC> * kWgRows * kC * sizeof(__half)            // A slots
+         + kWsXStages<T, kC> * kWgRows * kC * sizeof(T)                 // x slots
+         + 3 * kC * sizeof(float)                                       // taps
+         + (kWsXStages<T, kC> + 2 * kWsAStages<T, kC>) * sizeof(std::uint64_t);  // barriers
+}
+
+/// The shared memory of cheri_inference_ws_kernel (ws_smem_bytes), from a 1024-byte-aligned base.
+template <typename T, int kC>
+struct WsShared {
+  static constexpr int kXStages = kWsXStages<T, kC>, kAStages = kWsAStages<T, kC>;
+  unsigned char* w1;        // [C / 64][E C][64] float16, swizzled
+  unsigned char* w2;        // [E C / 64][C][64]
+  unsigned char* a;         // [kAStages][C / 64][64][64]
+  T* xs;                    // [kXStages][64][C]
+  float* cw;                // [3][C]
+  std::uint64_t* x_full;    // [kXStages]: x of the slot's tile arrived
+  std::uint64_t* a_full;    // [kAStages]: the producer wrote the slot's A
+  std::uint64_t* a_empty;   // [kAStages]: the consumer's products read it
+
+  __device__ WsShared(unsigned char* raw, int hidden) {
+    w1 = raw + ((1024 - shared_address(raw) % 1024) % 1024);
+    w2 = w1 + static_cast<std::size_t>(hidden) * kC * 2;
+    a = w2 + static_cast<std::size_t>(hidden) * kC * 2;
+    xs = reinterpret_cast<T*>(a + kAStages * kWgRows * kC * 2);
+    cw = reinterpret_cast<float*>(xs + kXStages * kWgRows * kC);
+    x_full = reinterpret_cast<std::uint64_t*>(cw + 3 * kC);
+    a_full = x_full + kXStages;
+    a_empty = a_full + kAStages;
+  }
+  __device__ T* x_slot(int slot) const { return xs + slot * kWgRows * kC; }
+  __device__ unsigned char* a_slot(int slot) const { return a + slot * kWgRows * kC * 2; }
+};
+
+#ifdef FUSEKIT_WGMMA  // the producer and consumers of cheri_inference_ws_kernel
+
+// Registers a thread: 168 at launch (384 threads, one block an SM), then the producer's 128
+// threads give up 40 each and the consumers' 256 take 16 each.
+constexpr int kWsProducerRegisters = 128;
+constexpr int kWsConsumerRegisters = 184;
+constexpr int kATileBlockBytes = kWgRows * 128;  // one 64-k block of an A tile
+
+/// Warp 0 of the producer: the rows of `tile` into the x slot `dst` by bulk copies, one a row,
+/// completing on `bar` (which expects their bytes).
+template <typename T, int kC>
+__device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, std::uint64_t* bar,
+                                             std::int64_t tile, int lane) {
+  constexpr std::uint32_t kRowBytes = kC * sizeof(T);
+  const std::int64_t first = tile * kWgRows;
+  const int count = static_cast<int>(std::min<std::int64_t>(kWgRows, p.n * p.l - first));
+  if (lane == 0) mbarrier_arrive_expect_bytes(bar, count * kRowBytes);
+  __syncwarp();
+  const std::int64_t n0 = first / p.l, l0 = first - n0 * p.l;
+  if (p.x.stride[1] == kC && (l0 + count <= p.l || p.x.stride[0] == p.l * kC)) {
+    // the rows are one range of memory: one copy
+    if (lane == 0) bulk_copy_to_shared(dst, row_of<T>(p.x, n0, l0), count * kRowBytes, bar);
+    return;
+  }
+  for (int r = lane; r < count; r += kWarpSize) {
+    const std::int64_t n = (first + r) / p.l, l = first + r - n * p.l;
+    bulk_copy_to_shared(dst + r * kC, row_of<T>(p.x, n, l), kRowBytes, bar);
+  }
+}
+
+/// The 16 bytes of x at row `at` + `offset` (a row of the plane), channels c0 on: from the x
+/// slot `xs` (holding the tile's rows, `at` its row r) when the row lies in the tile, else from
+/// global memory; the row itself when the tap lies outside the plane (`exists` false).
+template <typename T, int kC>
+__device__ __forceinline__ const T* tap_piece(const CheriBlockParams& p, const T* xs, int r,
+                                              std::int64_t offset, PlaneRow at, int c0,
+                                              bool exists) {
+  if (!exists) return xs + r * kC + c0;
+  const std::int64_t rt = r + offset;
+  if (rt >= 0 && rt < kWgRows) return xs + rt * kC + c0;
+  return row_of<T>(p.x, at.n, at.l + offset) + c0;
+}
+
+template <typename T, int kC>
+__device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
+                                            const float* mean, const float* rstd,
+                                            std::int64_t count, int t) {
+  constexpr int kV = kVec16<T>;                       // channels of a 16-byte piece
+  constexpr int kGroups = kC / kV;                    // pieces a row
+  constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
+  constexpr int kPasses = kWgRows / kRowsPerPass;     // rows a thread covers in a tile
+  constexpr int kBatch = kV == 4 ? 4 : 2;             // rows whose loads are issued together
+  static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
+  const int lane = t % kWarpSize, warp = t / kWarpSize;
+  const std::int64_t len = p.l, d = p.dilation;
+  const auto tile_of = [&](std::int64_t i) { return blockIdx.x + i * gridDim.x; };
+  if (warp == 0) {
+    for (int i = 0; i < s.kXStages && i < count; ++i) {
+      issue_x_rows<T, kC>(p, s.x_slot(i), s.x_full + i, tile_of(i), lane);
+    }
+  }
+  const int c0 = (t % kGroups) * kV, r_first = t / kGroups;
+  const std::uint32_t block_offset = (c0 / 64) * kATileBlockBytes;
+  float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels
+#pragma unroll
+  for (int j = 0; j < kV; ++j) {
+    wl[j] = s.cw[c0 + j];
+    wm[j] = s.cw[kC + c0 + j];
+    wr[j] = s.cw[2 * kC + c0 + j];
+  }
+  RingPosition xpos, apos;
+  for (std::int64_t i = 0; i < count; ++i) {
+    const std::int64_t first = tile_of(i) * kWgRows;
+    const PlaneRow start{first / len, first % len};
+    T* xs = s.x_slot(xpos.slot);
+    unsigned char* a = s.a_slot(apos.slot) + block_offset;
+    mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
+    mbarrier_wait(s.a_empty + apos.slot, apos.phase ^ 1u);
+#pragma unroll 1
+    for (int u0 = 0; u0 < kPasses; u0 += kBatch) {
+      // Every load of the batch first (taps from shared or global memory, the statistics),
+      // so that their latencies overlap; then the arithmetic.
+      uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
+      float m[kBatch], rs[kBatch];
+      bool has_left[kBatch], has_right[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r_first + (u0 + b) * kRowsPerPass;
+        const PlaneRow at = plane_row(start, r, len);
+        const bool live = at.n < p.n;
+        has_left[b] = live && at.l >= d;
+        has_right[b] = live && at.l + d < len;
+        xm[b] = *reinterpret_cast<const uint4*>(xs + r * kC + c0);
+        const T* left = tap_piece<T, kC>(p, xs, r, -d, at, c0, has_left[b]);
+        const T* right = tap_piece<T, kC>(p, xs, r, d, at, c0, has_right[b]);
+        xl[b] = *reinterpret_cast<const uint4*>(left);
+        xr[b] = *reinterpret_cast<const uint4*>(right);
+        m[b] = live ? mean[at.n] : 0.0f;
+        rs[b] = live ? rstd[at.n] : 0.0f;  // 0 for a row past the plane: its A row is zero
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int r = r_first + (u0 + b) * kRowsPerPass;
+        const auto* em = reinterpret_cast<const T*>(&xm[b]);
+        const auto* el = reinterpret_cast<const T*>(&xl[b]);
+        const auto* er = reinterpret_cast<const T*>(&xr[b]);
+        std::uint32_t h[kV / 2];
+#pragma unroll
+        for (int j = 0; j < kV; j += 2) {
+          float v[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            v[e] = wm[j + e] * to_float(em[j + e]);
+            if (has_left[b]) v[e] += wl[j + e] * to_float(el[j + e]);
+            if (has_right[b]) v[e] += wr[j + e] * to_float(er[j + e]);
+            v[e] = (v[e] - m[b]) * rs[b];
+          }
+          h[j / 2] = pack_half2(v[0], v[1]);
+        }
+        unsigned char* dst = a + swizzled_offset(r, c0 % 64);
+        if constexpr (kV == 8) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(h[0], h[1]);
+        }
+      }
+    }
+    fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
+    mbarrier_arrive(s.a_full + apos.slot);
+    named_barrier_sync(1, kWgThreads);  // every producer thread is done with the x slot
+    if (warp == 0 && i + s.kXStages < count) {
+      issue_x_rows<T, kC>(p, xs, s.x_full + xpos.slot, tile_of(i + s.kXStages), lane);
+    }
+    xpos.advance(1, s.kXStages);
+    apos.advance(1, s.kAStages);
+  }
+}
+
+template <typename T, int kC>
+__device__ __forceinline__ void ws_consumer(const CheriBlockParams& p, const WsShared<T, kC>& s,
+                                            std::int64_t count, int k, int t) {
+  constexpr int kKSteps = kC / 16;
+  constexpr int kChunks = kWsHidden<kC> / kWgHidden;  // even (see kWsHidden)
+  const int hidden = kWsHidden<kC>;
+  const std::uint64_t w1_desc = swizzled_descriptor(s.w1), w2_desc = swizzled_descriptor(s.w2);
+  const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
+  const std::int64_t len = p.l;
+  RingPosition apos;
+  apos.advance(k, s.kAStages);
+  for (std::int64_t i = k; i < count; i += 2) {
+    const std::int64_t tile = blockIdx.x + i * gridDim.x;
+    mbarrier_wait(s.a_full + apos.slot, apos.phase);
+    const std::uint64_t a_desc = swizzled_descriptor(s.a_slot(apos.slot));
+    float acc2[kC / 2];  // out [64, C]
+#pragma unroll
+    for (float& v : acc2) v = 0.0f;
+    float h0[kWgHidden / 2], h1[kWgHidden / 2];             // h of two chunks [64, 64]
+    std::uint32_t g0[kWgHidden / 16][4], g1[kWgHidden / 16][4];  // GELU(h) as A fragments
+    const auto gemm1 = [&](float (&h)[kWgHidden / 2], int chunk) {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        const std::uint32_t a_off = (ks / 4) * kATileBlockBytes + (ks % 4) * 32;
+        const std::uint32_t b_off = (ks / 4) * w1_block + chunk * kWgHidden * 128 + (ks % 4) * 32;
+        wgmma_ss<__half, kWgHidden>(h, advance_descriptor(a_desc, a_off),
+                                    advance_descriptor(w1_desc, b_off), ks > 0);
+      }
+      wgmma_commit();
+    };
+    const auto gelu = [&](std::uint32_t (&g)[kWgHidden / 16][4], float (&h)[kWgHidden / 2]) {
+      wgmma_fence_operands(h);
+#pragma unroll
+      for (int kk = 0; kk < kWgHidden / 16; ++kk) {
+        gelu_fragment<true>(g[kk], h + 8 * kk, h + 8 * kk + 4);
+      }
+    };
+    const auto gemm2 = [&](std::uint32_t (&g)[kWgHidden / 16][4], int chunk) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kWgHidden / 16; ++kk) {
+        wgmma_rs<__half, kC>(acc2, g[kk],
+                             advance_descriptor(w2_desc, chunk * kWgHidden * kC * 2 + kk * 32),
+                             chunk > 0 || kk > 0);
+      }
+      wgmma_commit();
+    };
+    // Commit order G1(0) G1(1) G2(0) [G1(c) G2(c-1) G1(c+1) G2(c)]... G2(last): each wait leaves
+    // the groups committed after the G1 it needs in flight; a GELU's registers were last read by
+    // a G2 committed before that G1.
+    gemm1(h0, 0);
+    gemm1(h1, 1);
+    wgmma_wait<1>();
+    gelu(g0, h0);
+    gemm2(g0, 0);
+#pragma unroll
+    for (int c = 2; c < kChunks; c += 2) {
+      gemm1(h0, c);
+      wgmma_wait<2>();
+      gelu(g1, h1);
+      gemm2(g1, c - 1);
+      gemm1(h1, c + 1);
+      wgmma_wait<2>();
+      gelu(g0, h0);
+      gemm2(g0, c);
+    }
+    wgmma_wait<1>();
+    mbarrier_arrive(s.a_empty + apos.slot);  // every product reading the A slot is done
+    gelu(g1, h1);
+    gemm2(g1, kChunks - 1);
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc2);
+    store_residual_rows<T, kC>(p, {tile * kWgRows / len, tile * kWgRows % len}, t, acc2);
+    apos.advance(2, s.kAStages);
+  }
+}
+
+#endif  // FUSEKIT_WGMMA
+
+template <typename T, int kC>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    cheri_inference_ws_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
+                              const float* w2, const float* mean, const float* rstd) {
+#ifdef FUSEKIT_WGMMA
+  const int hidden = static_cast<int>(p.hidden);
+  extern __shared__ unsigned char smem_raw[];
+  const WsShared<T, kC> s(smem_raw, hidden);
+  stage_swizzled(w1, hidden, kC, s.w1);
+  stage_swizzled(w2, kC, hidden, s.w2);
+  for (int i = threadIdx.x; i < 3 * kC; i += kWsThreads) s.cw[i] = conv_w[i];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < s.kXStages; ++i) mbarrier_init(s.x_full + i, 1);
+    for (int i = 0; i < s.kAStages; ++i) {
+      mbarrier_init(s.a_full + i, kWgThreads);
+      mbarrier_init(s.a_empty + i, kWgThreads);
+    }
+    mbarrier_init_fence();
+  }
+  fence_proxy_async_shared();  // the tensor cores read the weights that ordinary stores wrote
+  __syncthreads();
+
+  const std::int64_t tiles = ceil_div(p.n * p.l, static_cast<std::int64_t>(kWgRows));
+  const std::int64_t count =
+      tiles > blockIdx.x ? ceil_div(tiles - blockIdx.x, static_cast<std::int64_t>(gridDim.x)) : 0;
+  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  if (wg == 0) {
+    warpgroup_lower_registers<kWsProducerRegisters>();
+    ws_producer<T, kC>(p, s, mean, rstd, count, t);
+  } else {
+    warpgroup_raise_registers<kWsConsumerRegisters>();
+    ws_consumer<T, kC>(p, s, count, wg - 1, t);
+  }
+#else
+  __trap();
+#endif
 }
 
 // The front of the training backward on the same machinery (sm_90a, float32 x with TF32
@@ -1660,6 +2052,18 @@ bool wgmma_fits(const CheriBlockParams& p, int device) {
   return warpgroup_kernel_fits(p, device, wgmma_smem_bytes<T, kC>(p.hidden));
 }
 
+/// Whether the warp-specialised inference kernel for C = kC takes this call (and its rows are
+/// aligned, which fused_fits checks). It runs for half-precision x at C = 128, where it measured
+/// faster than cheri_inference_wgmma_kernel; with float32 x or at C = 64 it measured slower
+/// (H100, 2026-11-22, bench/NOTES.md).
+template <typename T, int kC>
+constexpr bool kWsTaken = sizeof(T) == 2 && kC == 128;
+template <typename T, int kC>
+bool ws_fits(const CheriBlockParams& p, int device) {
+  return kWsTaken<T, kC> && p.hidden == kWsHidden<kC> &&
+         warpgroup_kernel_fits(p, device, ws_smem_bytes<T, kC>(p.hidden));
+}
+
 /// Whether a fused inference kernel for C = kC takes this call.
 template <typename T, int kC>
 bool fused_fits(const CheriBlockParams& p, int device) {
@@ -1695,6 +2099,19 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   const int max_smem = max_shared_memory_per_block(device);
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto describe = [&] { return concat(kOp, ": the fused inference kernel (C = ", c, ")"); };
+  if constexpr (kWsTaken<T, kC>) {
+    if (ws_fits<T, kC>(p, device)) {
+      static std::atomic<bool> allowed[kMaxDevices];
+      const auto kernel = cheri_inference_ws_kernel<T, kC>;
+      allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
+      const auto blocks =
+          static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
+      kernel<<<blocks, kWsThreads, ws_smem_bytes<T, kC>(h), stream>>>(p, conv_w, w1, w2, mean,
+                                                                       rstd);
+      FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_ws_kernel");
+      return;
+    }
+  }
   if (wgmma_fits<T, kC>(p, device)) {
     static std::atomic<bool> allowed[kMaxDevices];
     const auto kernel = cheri_inference_wgmma_kernel<T, kC>;
