@@ -983,36 +983,12 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
 
 /// out = x + residual_scale * acc for a warpgroup's tile of kWgRows rows from `first`: lane
 /// (g, q) of warp w (thread t of the warpgroup) holds rows 16 w + g (+ 8), columns
-/// 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]. The residual x of a row (an L2 hit: the tile
-/// was just read) is loaded whole before its stores, so that the loads overlap; interleaved with
-/// the stores, which the compiler may not move them past, each would wait for L2 alone.
-template <typename T, int kC>
-__device__ __forceinline__ void store_residual_tile(const CheriBlockParams& p, PlaneRow first,
-                                                    int t, const float (&acc)[kC / 2]) {
-  using Pair = typename PairOf<T>::type;
-  const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
-  PlaneRow at = plane_row(first, 16 * (t / kWarpSize) + g, p.l);
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    if (h2 == 1) at = plane_row(at, 8, p.l);
-    if (at.n >= p.n) break;
-    const T* x = row_of<T>(p.x, at.n, at.l);
-    Pair xr[kC / 8];
-#pragma unroll
-    for (int j = 0; j < kC / 8; ++j) xr[j] = *reinterpret_cast<const Pair*>(x + 8 * j + 2 * q);
-    T* dst = out_row_of<T>(p.out, at.n, at.l);
-#pragma unroll
-    for (int j = 0; j < kC / 8; ++j) {
-      const float2 v = to_float2(xr[j]);
-      store_pair<T>(dst + 8 * j + 2 * q, v.x + p.residual_scale * acc[4 * j + 2 * h2],
-                    v.y + p.residual_scale * acc[4 * j + 2 * h2 + 1]);
-    }
-  }
-}
-
-/// out = x + residual_scale * acc as store_residual_tile, with 16-byte accesses: the four lanes
-/// of a row first swap their pairs (a 4 x 4 transpose per 32 columns, two shuffle steps), so that
-/// lane q holds the 8 consecutive columns 8 (4 m + q) .. + 7 of its row for every m.
+/// 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]. The four lanes of a row first swap their
+/// pairs (a 4 x 4 transpose per 32 columns, two shuffle steps), so that lane q holds the 8
+/// consecutive columns 8 (4 m + q) .. + 7 of its row for every m and x and out move in 16-byte
+/// pieces. A row's x (an L2 hit: the tile was just read) is loaded whole before its stores, so
+/// that the loads overlap; interleaved with the stores, which the compiler may not move them
+/// past, each would wait for L2 alone.
 template <typename T, int kC>
 __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, PlaneRow first,
                                                     int t, const float (&acc)[kC / 2]) {
@@ -1052,8 +1028,7 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
       }
     }
   }
-  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}; a row's x is loaded whole
-  // before its stores
+  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
@@ -1152,7 +1127,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_operands(acc2);
 
-    store_residual_tile<T, kC>(p, first, t, acc2);
+    store_residual_rows<T, kC>(p, first, t, acc2);
   }
   cp_async_wait<0>();
 }
@@ -1170,36 +1145,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 //     operands in shared memory), GELU(h) into registers, out += GELU(h) W2^T (A from registers).
 //     The chunks are software pipelined: h of two chunks in flight, so that the tensor cores run
 //     the next chunk's products while GELU runs; the A slot is released once its last product is
-//     done, and out = x + residual_scale acc is written with 16-byte accesses
-//     (store_residual_rows).
+//     done, and out = x + residual_scale acc is written (store_residual_rows).
 constexpr int kWsThreads = 3 * kWgThreads;
 // E C of the kernel: 2 C (the block's expansion). Its chunk loop is unrolled whole: across a loop
 // edge ptxas cannot tell the chunks' registers apart and serialises the products.
 template <int kC>
 constexpr int kWsHidden = 2 * kC;
 
-/// Ring sizes of the warp-specialised kernel: what fits in 227 KiB beside the weights at C = 128
-/// (two A and two x slots for float32 x, three of each for half precision).
-template <typename T, int kC>
-constexpr int kWsXStages = kC == 128 && sizeof(T) == 4 ? 2 : 3;
-template <typename T, int kC>
-constexpr int kWsAStages = kWsXStages<T, kC>;
+/// Slots of each ring (x and A) of the warp-specialised kernel: three fit in 227 KiB beside the
+/// weights for half-precision x at C = 128.
+constexpr int kWsStages = 3;
 
 template <typename T, int kC>
 std::size_t ws_smem_bytes(std::int64_t hidden) {
   const auto h = static_cast<std::size_t>(hidden);
   return 1024                                                           // alignment to 1024
          + 2 * h * kC * sizeof(__half)                                  // linear1, linear2
-         + kWsAStages<T, kC> * kWgRows * kC * sizeof(__half)            // A slots
-         + kWsXStages<T, kC> * kWgRows * kC * sizeof(T)                 // x slots
+         + kWsStages * kWgRows * kC * sizeof(__half)                    // A slots
+         + kWsStages * kWgRows * kC * sizeof(T)                         // x slots
          + 3 * kC * sizeof(float)                                       // taps
-         + (kWsXStages<T, kC> + 2 * kWsAStages<T, kC>) * sizeof(std::uint64_t);  // barriers
+         + 3 * kWsStages * sizeof(std::uint64_t);                       // barriers
 }
 
 /// The shared memory of cheri_inference_ws_kernel (ws_smem_bytes), from a 1024-byte-aligned base.
 template <typename T, int kC>
 struct WsShared {
-  static constexpr int kXStages = kWsXStages<T, kC>, kAStages = kWsAStages<T, kC>;
+  static constexpr int kXStages = kWsStages, kAStages = kWsStages;
   unsigned char* w1;        // [C / 64][E C][64] float16, swizzled
   unsigned char* w2;        // [E C / 64][C][64]
   unsigned char* a;         // [kAStages][C / 64][64][64]
@@ -1231,8 +1202,8 @@ constexpr int kWsProducerRegisters = 128;
 constexpr int kWsConsumerRegisters = 184;
 constexpr int kATileBlockBytes = kWgRows * 128;  // one 64-k block of an A tile
 
-/// Warp 0 of the producer: the rows of `tile` into the x slot `dst` by bulk copies, one a row,
-/// completing on `bar` (which expects their bytes).
+/// Warp 0 of the producer: the rows of `tile` into the x slot `dst` by bulk copies (one when the
+/// rows are one range of memory, else one a row), completing on `bar` (which expects their bytes).
 template <typename T, int kC>
 __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, std::uint64_t* bar,
                                              std::int64_t tile, int lane) {
@@ -1274,7 +1245,7 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
   constexpr int kGroups = kC / kV;                    // pieces a row
   constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
   constexpr int kPasses = kWgRows / kRowsPerPass;     // rows a thread covers in a tile
-  constexpr int kBatch = kV == 4 ? 4 : 2;             // rows whose loads are issued together
+  constexpr int kBatch = 2;                           // rows whose loads are issued together
   static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
   const int lane = t % kWarpSize, warp = t / kWarpSize;
   const std::int64_t len = p.l, d = p.dilation;
@@ -2060,7 +2031,8 @@ template <typename T, int kC>
 constexpr bool kWsTaken = sizeof(T) == 2 && kC == 128;
 template <typename T, int kC>
 bool ws_fits(const CheriBlockParams& p, int device) {
-  return kWsTaken<T, kC> && p.hidden == kWsHidden<kC> &&
+  static_assert(kWsTaken<T, kC>, "asked only where kWsTaken holds");
+  return p.hidden == kWsHidden<kC> &&
          warpgroup_kernel_fits(p, device, ws_smem_bytes<T, kC>(p.hidden));
 }
 
