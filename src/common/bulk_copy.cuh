@@ -96,6 +96,33 @@ __device__ __forceinline__ void tensor_copy_2d_to_shared(void* dst, const CUtens
       : "memory");
 }
 
+/// An L2 cache policy that makes the lines a copy brings in the first to be evicted: for data
+/// read once (a weight streamed through), so that it does not push out what stays in use.
+__device__ __forceinline__ std::uint64_t l2_evict_first_policy() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+/// The L2 cache policy of a copy without a hint.
+__device__ __forceinline__ std::uint64_t l2_evict_normal_policy() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+/// tensor_copy_2d_to_shared with an L2 cache policy for the lines it reads.
+__device__ __forceinline__ void tensor_copy_2d_to_shared(void* dst, const CUtensorMap* map, int inner,
+                                                         int outer, std::uint64_t* bar,
+                                                         std::uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(inner), "r"(outer), "r"(shared_address(bar)),
+      "l"(policy)
+      : "memory");
+}
+
 /// The same for a 4-D map, the box at (`c0`, `c1`, `c2`, `c3`), innermost first.
 __device__ __forceinline__ void tensor_copy_4d_to_shared(void* dst, const CUtensorMap* map, int c0,
                                                          int c1, int c2, int c3,

@@ -665,9 +665,16 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   } else if (lane == 0) {  // the producer
     prefetch_tensor_map(&w_map);
     prefetch_tensor_map(&x_map);
+    // With one block of rows (as for every M the product takes), each weight line is read
+    // once, by this block: evicted first, so that streaming the weight does not push out of L2
+    // the normalised rows that every block reads, nor what the caller keeps there. Decoding
+    // (M 16, K 4096, Nout 16384) on H100: 62.5 to 59.5 us.
+    const std::uint64_t streamed =
+        gridDim.y == 1 ? l2_evict_first_policy() : l2_evict_normal_policy();
     const auto load_w = [&](int step) {
       tensor_copy_2d_to_shared(slots + (step % C::kStages) * C::kStageBytes, &w_map,
-                               step * kWgStepK, static_cast<int>(n0), &full[step % C::kStages]);
+                               step * kWgStepK, static_cast<int>(n0), &full[step % C::kStages],
+                               streamed);
     };
     const auto load_x = [&](int step) {
       tensor_copy_2d_to_shared(slots + (step % C::kStages) * C::kStageBytes + C::kTileW, &x_map,
