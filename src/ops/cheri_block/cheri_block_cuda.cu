@@ -64,6 +64,8 @@ namespace {
 constexpr const char* kOp = "cheri_block";
 constexpr int kThreads = 256;
 constexpr std::int64_t kBlockElements = 8192;  // conv values per block of the plane passes
+constexpr std::int64_t kStatsElements = 32768;  // conv values per block of the statistics pass
+constexpr int kStatsUnroll = 2;                 // rows whose loads a thread issues together
 constexpr std::int64_t kSliceRows = 4096;      // rows per slice of the weight-gradient products
 constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -265,28 +267,61 @@ __global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std
 }
 
 /// Per block: (count, mean, M2) of its conv values into partial [N chunks, 3] (double). Each
-/// thread sums its values and their squares in double, shifted by its first value (so that the
-/// sums do not cancel); the threads' moments are then merged (Chan) in a fixed order.
+/// thread keeps its channels' taps in registers and walks its rows kStatsUnroll at a time, every
+/// load of those rows issued before the arithmetic; it sums the values and their squares,
+/// shifted by its first value so that the sums do not cancel, in float over a row's V channels
+/// and in double across rows; the threads' moments are then merged (Chan) in a fixed order.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     plane_stats_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
                        std::int64_t chunks, double* partial) {
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
   const int t = threadIdx.x;
-  double shift = 0.0, s1 = 0.0, s2 = 0.0;
+  const std::int64_t d = p.dilation;
+  float shift = 0.0f;
+  double s1 = 0.0, s2 = 0.0;
   int count = 0;
-  for_each_unit<V>(b, [&](std::int64_t l, std::int64_t c0) {
-    float v[V];
-    conv_at<T, V>(p, w, b.n, l, c0, v);
-    if (count == 0) shift = v[0];
+  if (t < b.tpr * b.lanes) {
+    for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
+      const std::int64_t c0 = static_cast<std::int64_t>(cg) * V;
+      float wl[V], wm[V], wr[V];
+      load_vec<float, V>(w + c0, wl);
+      load_vec<float, V>(w + p.c + c0, wm);
+      load_vec<float, V>(w + 2 * p.c + c0, wr);
+      for (std::int64_t l = b.l0 + t / b.tpr; l < b.l1; l += kStatsUnroll * b.lanes) {
+        // Rows past the block's end or taps outside the plane read a row that exists (their
+        // values are then left out, never multiplied by zero, so that no NaN or inf of them
+        // leaks in).
+        float xl[kStatsUnroll][V], xm[kStatsUnroll][V], xr[kStatsUnroll][V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const double e = static_cast<double>(v[k]) - shift;
-      s1 += e;
-      s2 += e * e;
+        for (int u = 0; u < kStatsUnroll; ++u) {
+          const std::int64_t lu = min(l + u * b.lanes, b.l1 - 1);
+          load_vec<T, V>(row_of<T>(p.x, b.n, lu) + c0, xm[u]);
+          load_vec<T, V>(row_of<T>(p.x, b.n, lu >= d ? lu - d : lu) + c0, xl[u]);
+          load_vec<T, V>(row_of<T>(p.x, b.n, lu + d < p.l ? lu + d : lu) + c0, xr[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kStatsUnroll; ++u) {
+          const std::int64_t lu = l + u * b.lanes;
+          if (lu >= b.l1) break;
+          float e1 = 0.0f, e2 = 0.0f;
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            float v = wm[k] * xm[u][k];
+            if (lu >= d) v += wl[k] * xl[u][k];
+            if (lu + d < p.l) v += wr[k] * xr[u][k];
+            if (count == 0 && k == 0) shift = v;
+            const float e = v - shift;
+            e1 += e;
+            e2 += e * e;
+          }
+          s1 += e1;
+          s2 += e2;
+          count += V;
+        }
+      }
     }
-    count += V;
-  });
+  }
   Moments acc{0.0, 0.0, 0.0};
   if (count > 0) acc = {double(count), shift + s1 / count, fmax(0.0, s2 - s1 * s1 / count)};
 #pragma unroll
@@ -1197,7 +1232,10 @@ struct WsShared {
 #ifdef FUSEKIT_WGMMA  // the producer and consumers of cheri_inference_ws_kernel
 
 // Registers a thread: 168 at launch (384 threads, one block an SM), then the producer's 128
-// threads give up 40 each and the consumers' 256 take 16 each.
+// threads give up 40 each and the consumers' 256 take 16 each. At 184, ptxas serialises the
+// consumers' products (C7512: each MMA waited for before the next is issued); 120 and 192 lift
+// that but measured slower (bf16 N512 380 against 372 us, H100): the producer bounds the kernel
+// and the consumers wait on it half the time either way (bench/NOTES.md).
 constexpr int kWsProducerRegisters = 128;
 constexpr int kWsConsumerRegisters = 184;
 constexpr int kATileBlockBytes = kWgRows * 128;  // one 64-k block of an A tile
@@ -1672,6 +1710,18 @@ PlaneGrid plane_grid(const CheriBlockParams& p) {
   return {rows, ceil_div(p.l, rows)};
 }
 
+/// The blocks of the statistics pass: larger than the other plane passes', so that each block's
+/// merge of its threads' moments is paid over more values.
+PlaneGrid stats_grid(const CheriBlockParams& p) {
+  const std::int64_t rows = std::clamp<std::int64_t>(kStatsElements / p.c, 1, p.l);
+  return {rows, ceil_div(p.l, rows)};
+}
+
+/// Bytes of the partial moments the statistics pass writes.
+std::size_t stats_partial_bytes(const CheriBlockParams& p) {
+  return doubles(3 * p.n * stats_grid(p).chunks);
+}
+
 void pack(const CheriMatrix& m, std::int64_t rows, std::int64_t cols, float* dst, int device,
           cudaStream_t stream) {
   pack_matrix_kernel<<<grid_for(rows * cols, device), kThreads, 0, stream>>>(m, rows, cols, dst);
@@ -1711,7 +1761,7 @@ void with_vec(bool vector, F&& f) {
 template <typename T>
 void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* partial,
                       float* mean_ws, float* rstd_ws, cudaStream_t stream) {
-  const PlaneGrid g = plane_grid(p);
+  const PlaneGrid g = stats_grid(p);
   const auto blocks = static_cast<unsigned>(p.n * g.chunks);
   with_vec<T>(rows_aligned(p.x, p, sizeof(T)), [&](auto v) {
     plane_stats_kernel<T, decltype(v)::value>
@@ -1976,7 +2026,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(doubles(3 * p.n * g.chunks)),
+                    o_part = carve.take(stats_partial_bytes(p)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n)),
                     o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h));
   const StreamWorkspace ws(carve.total(), stream);
@@ -2053,11 +2103,10 @@ bool fused_fits(const CheriBlockParams& p, int device) {
 template <typename T, int kC>
 void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const std::int64_t c = p.c, h = p.hidden;
-  const PlaneGrid g = plane_grid(p);
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(doubles(3 * p.n * g.chunks)),
+                    o_part = carve.take(stats_partial_bytes(p)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
   const StreamWorkspace ws(carve.total(), stream);
   const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
@@ -2242,10 +2291,9 @@ void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stre
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
-    const PlaneGrid g = plane_grid(p);
     Carve carve;
     const std::size_t o_conv = carve.take(floats(3 * p.c)),
-                      o_part = carve.take(doubles(3 * p.n * g.chunks)),
+                      o_part = carve.take(stats_partial_bytes(p)),
                       o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
     const StreamWorkspace ws(carve.total(), s);
     float* conv_w = at<float>(ws, o_conv);
