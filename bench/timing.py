@@ -40,14 +40,20 @@ def l2_cache_bytes(device=None):
 _flush_buffers = {}
 
 
-def flush_l2(device=None):
-    """Overwrites a buffer of twice the L2 size, evicting whatever the last run left in L2."""
+def flush_l2(device=None, by_reading=False):
+    """Overwrites a buffer of twice the L2 size, evicting whatever the last run left in L2 (and
+    leaving L2 full of dirty lines, which the next run's misses write back, as a flush by
+    writing does in every common benchmark harness). by_reading: reads the buffer instead, so
+    that L2 is left holding clean lines."""
     device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
     buf = _flush_buffers.get(device)
     if buf is None:
         buf = _flush_buffers[device] = torch.empty(2 * l2_cache_bytes(device), dtype=torch.int8,
                                                    device=device)
-    buf.zero_()
+    if by_reading:
+        buf.view(torch.int32).sum()
+    else:
+        buf.zero_()
 
 
 def _percentiles(times_ms, scale):
@@ -66,13 +72,14 @@ def _event_time_ms(fn):
 
 
 def bench(fns, *, warmup_ms=25.0, rep_ms=100.0, min_runs=10, max_runs=1000, flush=True,
-          cuda_graph=False, calls_per_graph=None):
+          flush_by_reading=False, cuda_graph=False, calls_per_graph=None):
     """Median time of one call, in microseconds.
 
     fns:        a callable, or a list of callables timed in rotation (distinct input copies).
     warmup_ms:  device time spent warming up after a first (compiling/autotuning) call.
     rep_ms:     device time spent measuring; the number of runs is clamped to [min_runs, max_runs].
     flush:      flush L2 before every timed run (event timing only; graphs rotate copies instead).
+    flush_by_reading: flush by reading a buffer rather than writing it (see flush_l2).
     cuda_graph: time replays of a CUDA graph holding `calls_per_graph` calls (default: enough calls
                 for about 200 us), and divide by the number of calls.
     """
@@ -93,7 +100,7 @@ def bench(fns, *, warmup_ms=25.0, rep_ms=100.0, min_runs=10, max_runs=1000, flus
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_runs)]
     for i in range(n_runs):
         if flush:
-            flush_l2()
+            flush_l2(by_reading=flush_by_reading)
         starts[i].record()
         fns[i % len(fns)]()
         ends[i].record()
@@ -142,10 +149,11 @@ def copy_ceiling(nbytes=2**30):
     return 2 * nbytes / (t.median_us * 1e-6) / 1e9
 
 
-def read_ceiling(nbytes=2**28):
-    """Achieved bandwidth of reading `nbytes` once (a float32 sum), in GB/s (bytes read only)."""
+def read_ceiling(nbytes=2**28, flush_by_reading=False):
+    """Achieved bandwidth of reading `nbytes` once (a float32 sum), in GB/s (bytes read only),
+    after a flush of L2 by writing (as every timing here) or, flush_by_reading, by reading."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
-    t = bench(lambda: src.sum(), flush=True)
+    t = bench(lambda: src.sum(), flush=True, flush_by_reading=flush_by_reading)
     del src
     return nbytes / (t.median_us * 1e-6) / 1e9
 
