@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,10 @@ constexpr int kThreads = 256;
 constexpr std::int64_t kBlockElements = 8192;  // conv values per block of the plane passes
 constexpr std::int64_t kStatsElements = 32768;  // conv values per block of the statistics pass
 constexpr int kStatsUnroll = 2;                 // rows whose loads a thread issues together
+// Shared memory of a block of the staged statistics pass (its rows of x and their halo), and the
+// blocks an SM holds.
+constexpr std::size_t kStatsStageBytes = 40960;
+constexpr int kStatsStagedBlocks = 4;
 constexpr std::int64_t kSliceRows = 4096;      // rows per slice of the weight-gradient products
 constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -105,6 +110,23 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] = to_float(p[k]);
+  }
+}
+
+/// load_vec from shared memory (16-byte pieces; V fills whole pieces).
+template <typename T, int V>
+__device__ __forceinline__ void load_shared_vec(const T* p, float (&v)[V]) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  static_assert(V % kPer == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int piece = 0; piece < V / kPer; ++piece) {
+    union {
+      uint4 raw;
+      T e[kPer];
+    } u;
+    u.raw = reinterpret_cast<const uint4*>(p)[piece];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) v[piece * kPer + k] = to_float(u.e[k]);
   }
 }
 
@@ -266,11 +288,89 @@ __global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std
   }
 }
 
+/// A thread's running sums of the statistics pass: its values' count, and the sums of the values
+/// and their squares, shifted by its first value so that the sums do not cancel.
+struct ShiftedSums {
+  float shift = 0.0f;
+  double s1 = 0.0, s2 = 0.0;
+  int count = 0;
+
+  /// Adds conv = wm x + wl left + wr right (a tap left out where it lies outside the plane) of V
+  /// channels of one row: summed in float over the row's channels, then in double.
+  template <int V>
+  __device__ __forceinline__ void add_row(const float (&wl)[V], const float (&wm)[V],
+                                          const float (&wr)[V], const float (&left)[V],
+                                          const float (&mid)[V], const float (&right)[V],
+                                          bool has_left, bool has_right) {
+    float e1 = 0.0f, e2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float v = wm[k] * mid[k];
+      if (has_left) v += wl[k] * left[k];
+      if (has_right) v += wr[k] * right[k];
+      if (count == 0 && k == 0) shift = v;
+      const float e = v - shift;
+      e1 += e;
+      e2 += e * e;
+    }
+    s1 += e1;
+    s2 += e2;
+    count += V;
+  }
+
+  /// add_row where a tap outside the plane reads zeros: no selection, the shift folded into the
+  /// first product (taken as the first value of the thread's first row).
+  template <int V>
+  __device__ __forceinline__ void add_padded_row(const float (&wl)[V], const float (&wm)[V],
+                                                 const float (&wr)[V], const float (&left)[V],
+                                                 const float (&mid)[V], const float (&right)[V]) {
+    if (count == 0) shift = wm[0] * mid[0] + wl[0] * left[0] + wr[0] * right[0];
+    float e1 = 0.0f, e2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float e = fmaf(wl[k], left[k], fmaf(wr[k], right[k], fmaf(wm[k], mid[k], -shift)));
+      e1 += e;
+      e2 = fmaf(e, e, e2);
+    }
+    s1 += e1;
+    s2 += e2;
+    count += V;
+  }
+};
+
+/// The block's moments (its threads' sums merged, Chan, in a fixed order) into its partial
+/// [3] (count, mean, M2) of `partial` (double).
+__device__ __forceinline__ void write_block_moments(const ShiftedSums& sums, double* partial) {
+  const int t = threadIdx.x;
+  Moments acc{0.0, 0.0, 0.0};
+  if (sums.count > 0) {
+    const double count = sums.count;
+    acc = {count, sums.shift + sums.s1 / count, fmax(0.0, sums.s2 - sums.s1 * sums.s1 / count)};
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+    const Moments other{__shfl_down_sync(0xffffffffu, acc.count, offset),
+                        __shfl_down_sync(0xffffffffu, acc.mean, offset),
+                        __shfl_down_sync(0xffffffffu, acc.m2, offset)};
+    acc = merge(acc, other);
+  }
+  __shared__ Moments warps[kThreads / kWarpSize];
+  if (t % kWarpSize == 0) warps[t / kWarpSize] = acc;
+  __syncthreads();
+  if (t == 0) {
+    Moments total = warps[0];
+    for (int i = 1; i < kThreads / kWarpSize; ++i) total = merge(total, warps[i]);
+    double* dst = partial + 3 * static_cast<std::int64_t>(blockIdx.x);
+    dst[0] = total.count;
+    dst[1] = total.mean;
+    dst[2] = total.m2;
+  }
+}
+
 /// Per block: (count, mean, M2) of its conv values into partial [N chunks, 3] (double). Each
 /// thread keeps its channels' taps in registers and walks its rows kStatsUnroll at a time, every
-/// load of those rows issued before the arithmetic; it sums the values and their squares,
-/// shifted by its first value so that the sums do not cancel, in float over a row's V channels
-/// and in double across rows; the threads' moments are then merged (Chan) in a fixed order.
+/// load of those rows issued before the arithmetic (ShiftedSums); the threads' moments are then
+/// merged in a fixed order.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     plane_stats_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
@@ -278,9 +378,7 @@ __global__ void __launch_bounds__(kThreads)
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
   const int t = threadIdx.x;
   const std::int64_t d = p.dilation;
-  float shift = 0.0f;
-  double s1 = 0.0, s2 = 0.0;
-  int count = 0;
+  ShiftedSums sums;
   if (t < b.tpr * b.lanes) {
     for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
       const std::int64_t c0 = static_cast<std::int64_t>(cg) * V;
@@ -304,44 +402,69 @@ __global__ void __launch_bounds__(kThreads)
         for (int u = 0; u < kStatsUnroll; ++u) {
           const std::int64_t lu = l + u * b.lanes;
           if (lu >= b.l1) break;
-          float e1 = 0.0f, e2 = 0.0f;
-#pragma unroll
-          for (int k = 0; k < V; ++k) {
-            float v = wm[k] * xm[u][k];
-            if (lu >= d) v += wl[k] * xl[u][k];
-            if (lu + d < p.l) v += wr[k] * xr[u][k];
-            if (count == 0 && k == 0) shift = v;
-            const float e = v - shift;
-            e1 += e;
-            e2 += e * e;
-          }
-          s1 += e1;
-          s2 += e2;
-          count += V;
+          sums.add_row(wl, wm, wr, xl[u], xm[u], xr[u], lu >= d, lu + d < p.l);
         }
       }
     }
   }
-  Moments acc{0.0, 0.0, 0.0};
-  if (count > 0) acc = {double(count), shift + s1 / count, fmax(0.0, s2 - s1 * s1 / count)};
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-    const Moments other{__shfl_down_sync(0xffffffffu, acc.count, offset),
-                        __shfl_down_sync(0xffffffffu, acc.mean, offset),
-                        __shfl_down_sync(0xffffffffu, acc.m2, offset)};
-    acc = merge(acc, other);
-  }
-  __shared__ Moments warps[kThreads / kWarpSize];
-  if (t % kWarpSize == 0) warps[t / kWarpSize] = acc;
-  __syncthreads();
+  write_block_moments(sums, partial);
+}
+
+/// The statistics pass on sm_90 where x's rows are dense and 16-byte aligned: the same blocks'
+/// work, but each block first brings its rows and their halo ([l0 - d, l1 + d) of example n,
+/// clipped to the plane) into shared memory with one bulk copy, after a row of zeros that the
+/// taps outside the plane read; every row is read from global memory once (stats_grid sizes the
+/// blocks).
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads, kStatsStagedBlocks)
+    plane_stats_staged_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
+                              std::int64_t chunks, double* partial) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char stage_raw[];
+  __shared__ std::uint64_t arrived;
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const int t = threadIdx.x;
+  const std::int64_t d = p.dilation, c = p.c;
+  const std::int64_t halo = d < p.l ? d : 0;  // no taps at all for d >= L
+  const std::int64_t lo = max(b.l0 - halo, std::int64_t{0}), hi = min(b.l1 + halo, p.l);
+  const auto row_bytes = static_cast<std::uint32_t>(c * sizeof(T));
+  const T* xs = reinterpret_cast<const T*>(stage_raw);  // zeros, then row lo + r at row 1 + r
   if (t == 0) {
-    Moments total = warps[0];
-    for (int i = 1; i < kThreads / kWarpSize; ++i) total = merge(total, warps[i]);
-    double* dst = partial + 3 * static_cast<std::int64_t>(blockIdx.x);
-    dst[0] = total.count;
-    dst[1] = total.mean;
-    dst[2] = total.m2;
+    mbarrier_init(&arrived, 1);
+    mbarrier_init_fence();
+    const auto bytes = static_cast<std::uint32_t>(hi - lo) * row_bytes;
+    mbarrier_arrive_expect_bytes(&arrived, bytes);
+    bulk_copy_to_shared(stage_raw + row_bytes, row_of<T>(p.x, b.n, lo), bytes, &arrived);
   }
+  for (std::uint32_t i = t; i < row_bytes / 16; i += kThreads) {
+    reinterpret_cast<uint4*>(stage_raw)[i] = make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();  // the zeros are written and the barrier initialised before anyone waits
+  // offsets within the stage in int: rows of the stage, elements from its start
+  const int r_end = static_cast<int>(b.l1 - lo) + 1, hd = static_cast<int>(halo);
+  const int cc = static_cast<int>(c);
+  ShiftedSums sums;
+  if (t < b.tpr * b.lanes) {
+    for (int cg = t % b.tpr; cg < b.groups; cg += b.tpr) {
+      const int c0 = cg * V;
+      float wl[V], wm[V], wr[V];
+      load_vec<float, V>(w + c0, wl);
+      load_vec<float, V>(w + c + c0, wm);
+      load_vec<float, V>(w + 2 * c + c0, wr);
+      mbarrier_wait(&arrived, 0);  // returns at once after the first time
+      for (int r = static_cast<int>(b.l0 - lo) + 1 + t / b.tpr; r < r_end; r += b.lanes) {
+        const std::int64_t l = lo + r - 1;
+        const int left = l >= d ? r - hd : 0, right = l + d < p.l ? r + hd : 0;
+        float xl[V], xm[V], xr[V];
+        load_shared_vec<T, V>(xs + r * cc + c0, xm);
+        load_shared_vec<T, V>(xs + left * cc + c0, xl);
+        load_shared_vec<T, V>(xs + right * cc + c0, xr);
+        sums.add_padded_row(wl, wm, wr, xl, xm, xr);
+      }
+    }
+  }
+  write_block_moments(sums, partial);
+#endif
 }
 
 /// Per example (a warp each): its partials merged (Chan, double) in a fixed order, lane i taking
@@ -1171,11 +1294,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // at C = 128, see ws_fits): a producer warpgroup and two consumer warpgroups, with registers
 // moved from the first to the others. The block takes the tiles blockIdx.x + i gridDim.x (64 rows
 // of (n, l) each), in order.
-//   - Producer: a bulk copy brings x of tile i (one copy when its rows are one range of memory,
-//     else one a row) into a ring of kXStages x slots; its 128 threads turn the tile into
-//     A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major layout, in a ring of
-//     kAStages A slots, and hand it over on the slot's full barrier (the taps of rows near the
-//     tile's ends, or all for d of 64 and more, come from global memory).
+//   - Producer: a bulk copy brings x of tile i and kWsHalo rows on each side (one copy when the
+//     rows are one range of memory, else one a row) into a ring of kXStages x slots; its 128
+//     threads turn the tile into A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major
+//     layout, in a ring of kAStages A slots, and hand it over on the slot's full barrier. Taps
+//     outside the plane read a row of zeros; for d above kWsHalo, those past the tile's rows (and
+//     no halo rows are copied) come from global memory.
 //   - Consumer k takes the block's tiles k, k + 2, ...: per 64 hidden columns h = A W1^T (both
 //     operands in shared memory), GELU(h) into registers, out += GELU(h) W2^T (A from registers).
 //     The chunks are software pipelined: h of two chunks in flight, so that the tensor cores run
@@ -1187,30 +1311,37 @@ constexpr int kWsThreads = 3 * kWgThreads;
 template <int kC>
 constexpr int kWsHidden = 2 * kC;
 
-/// Slots of each ring (x and A) of the warp-specialised kernel: three fit in 227 KiB beside the
+/// Rows of x that an x slot of the warp-specialised kernel holds on each side of its tile: for d
+/// up to kWsHalo every tap of the tile's rows comes from the slot.
+constexpr int kWsHalo = 8;
+constexpr int kWsSlotRows = kWgRows + 2 * kWsHalo;
+/// Slots of the x and A rings of the warp-specialised kernel: what fits in 227 KiB beside the
 /// weights for half-precision x at C = 128.
-constexpr int kWsStages = 3;
+constexpr int kWsXStages = 2;
+constexpr int kWsAStages = 3;
 
 template <typename T, int kC>
 std::size_t ws_smem_bytes(std::int64_t hidden) {
   const auto h = static_cast<std::size_t>(hidden);
   return 1024                                                           // alignment to 1024
          + 2 * h * kC * sizeof(__half)                                  // linear1, linear2
-         + kWsStages * kWgRows * kC * sizeof(__half)                    // A slots
-         + kWsStages * kWgRows * kC * sizeof(T)                         // x slots
+         + kWsAStages * kWgRows * kC * sizeof(__half)                   // A slots
+         + kWsXStages * kWsSlotRows * kC * sizeof(T)                    // x slots
          + 3 * kC * sizeof(float)                                       // taps
-         + 3 * kWsStages * sizeof(std::uint64_t);                       // barriers
+         + kC * sizeof(T)                                               // a row of zeros
+         + (kWsXStages + 2 * kWsAStages) * sizeof(std::uint64_t);       // barriers
 }
 
 /// The shared memory of cheri_inference_ws_kernel (ws_smem_bytes), from a 1024-byte-aligned base.
 template <typename T, int kC>
 struct WsShared {
-  static constexpr int kXStages = kWsStages, kAStages = kWsStages;
+  static constexpr int kXStages = kWsXStages, kAStages = kWsAStages;
   unsigned char* w1;        // [C / 64][E C][64] float16, swizzled
   unsigned char* w2;        // [E C / 64][C][64]
   unsigned char* a;         // [kAStages][C / 64][64][64]
-  T* xs;                    // [kXStages][64][C]
+  T* xs;                    // [kXStages][kWsSlotRows][C]: a tile's rows after kWsHalo rows
   float* cw;                // [3][C]
+  T* zero;                  // [C]: the taps outside the plane
   std::uint64_t* x_full;    // [kXStages]: x of the slot's tile arrived
   std::uint64_t* a_full;    // [kAStages]: the producer wrote the slot's A
   std::uint64_t* a_empty;   // [kAStages]: the consumer's products read it
@@ -1220,80 +1351,188 @@ struct WsShared {
     w2 = w1 + static_cast<std::size_t>(hidden) * kC * 2;
     a = w2 + static_cast<std::size_t>(hidden) * kC * 2;
     xs = reinterpret_cast<T*>(a + kAStages * kWgRows * kC * 2);
-    cw = reinterpret_cast<float*>(xs + kXStages * kWgRows * kC);
-    x_full = reinterpret_cast<std::uint64_t*>(cw + 3 * kC);
+    cw = reinterpret_cast<float*>(xs + kXStages * kWsSlotRows * kC);
+    zero = reinterpret_cast<T*>(cw + 3 * kC);
+    x_full = reinterpret_cast<std::uint64_t*>(zero + kC);
     a_full = x_full + kXStages;
     a_empty = a_full + kAStages;
   }
-  __device__ T* x_slot(int slot) const { return xs + slot * kWgRows * kC; }
+  __device__ T* x_slot(int slot) const { return xs + slot * kWsSlotRows * kC; }
   __device__ unsigned char* a_slot(int slot) const { return a + slot * kWgRows * kC * 2; }
 };
 
 #ifdef FUSEKIT_WGMMA  // the producer and consumers of cheri_inference_ws_kernel
 
 // Registers a thread: 168 at launch (384 threads, one block an SM), then the producer's 128
-// threads give up 40 each and the consumers' 256 take 16 each. At 184, ptxas serialises the
-// consumers' products (C7512: each MMA waited for before the next is issued); 120 and 192 lift
-// that but measured slower (bf16 N512 380 against 372 us, H100): the producer bounds the kernel
-// and the consumers wait on it half the time either way (bench/NOTES.md).
-constexpr int kWsProducerRegisters = 128;
-constexpr int kWsConsumerRegisters = 184;
+// threads give up 48 each and the consumers' 256 take 24 each. With fewer, ptxas serialises the
+// consumers' products (C7512 at 184: each MMA waited for before the next is issued); with the
+// taps from shared memory the producer runs in 120 without spilling (bench/NOTES.md).
+constexpr int kWsProducerRegisters = 120;
+constexpr int kWsConsumerRegisters = 192;
 constexpr int kATileBlockBytes = kWgRows * 128;  // one 64-k block of an A tile
 
-/// Warp 0 of the producer: the rows of `tile` into the x slot `dst` by bulk copies (one when the
-/// rows are one range of memory, else one a row), completing on `bar` (which expects their bytes).
+/// Warp 0 of the producer: the rows of `tile`, and for d <= kWsHalo kWsHalo rows on each side
+/// (those of the plane [N L, C]), into the x slot `dst` by bulk copies (one when the rows are one
+/// range of memory, else one a row), completing on `bar` (which expects their bytes). The tile's
+/// row r goes to the slot's row kWsHalo + r.
 template <typename T, int kC>
 __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, std::uint64_t* bar,
                                              std::int64_t tile, int lane) {
   constexpr std::uint32_t kRowBytes = kC * sizeof(T);
-  const std::int64_t first = tile * kWgRows;
-  const int count = static_cast<int>(std::min<std::int64_t>(kWgRows, p.n * p.l - first));
+  const int halo = p.dilation <= kWsHalo ? kWsHalo : 0;
+  const std::int64_t first = tile * kWgRows - kWsHalo;  // the slot's row 0
+  const std::int64_t lo = max(first + kWsHalo - halo, std::int64_t{0});
+  const std::int64_t hi = min(first + kWsHalo + kWgRows + halo, p.n * p.l);
+  const int count = static_cast<int>(hi - lo);
+  T* to = dst + (lo - first) * kC;
   if (lane == 0) mbarrier_arrive_expect_bytes(bar, count * kRowBytes);
   __syncwarp();
-  const std::int64_t n0 = first / p.l, l0 = first - n0 * p.l;
-  if (p.x.stride[1] == kC && (l0 + count <= p.l || p.x.stride[0] == p.l * kC)) {
+  if (p.x.stride[1] == kC && (p.x.stride[0] == p.l * kC || lo / p.l == (hi - 1) / p.l)) {
     // the rows are one range of memory: one copy
-    if (lane == 0) bulk_copy_to_shared(dst, row_of<T>(p.x, n0, l0), count * kRowBytes, bar);
+    if (lane == 0) {
+      bulk_copy_to_shared(to, row_of<T>(p.x, lo / p.l, lo % p.l), count * kRowBytes, bar);
+    }
     return;
   }
   for (int r = lane; r < count; r += kWarpSize) {
-    const std::int64_t n = (first + r) / p.l, l = first + r - n * p.l;
-    bulk_copy_to_shared(dst + r * kC, row_of<T>(p.x, n, l), kRowBytes, bar);
+    bulk_copy_to_shared(to + r * kC, row_of<T>(p.x, (lo + r) / p.l, (lo + r) % p.l), kRowBytes,
+                        bar);
   }
 }
 
-/// The 16 bytes of x at row `at` + `offset` (a row of the plane), channels c0 on: from the x
-/// slot `xs` (holding the tile's rows, `at` its row r) when the row lies in the tile, else from
-/// global memory; the row itself when the tap lies outside the plane (`exists` false).
-template <typename T, int kC>
-__device__ __forceinline__ const T* tap_piece(const CheriBlockParams& p, const T* xs, int r,
-                                              std::int64_t offset, PlaneRow at, int c0,
-                                              bool exists) {
-  if (!exists) return xs + r * kC + c0;
-  const std::int64_t rt = r + offset;
-  if (rt >= 0 && rt < kWgRows) return xs + rt * kC + c0;
-  return row_of<T>(p.x, at.n, at.l + offset) + c0;
+/// The 16 bytes of x at row `at` + `offset` of the plane (row r of the tile; `exists` false where
+/// that row lies outside the plane), channels c0 on: from the x slot `xs` where it holds the row
+/// (kNear, d <= kWsHalo: always; else when it lies in the tile), else from global memory; zeros
+/// where it does not exist.
+template <typename T, int kC, bool kNear>
+__device__ __forceinline__ uint4 tap_piece(const CheriBlockParams& p, const WsShared<T, kC>& s,
+                                           const T* xs, int r, std::int64_t offset, PlaneRow at,
+                                           int c0, bool exists) {
+  const T* from = s.zero + c0;
+  if constexpr (kNear) {
+    if (exists) from = xs + (r + kWsHalo + static_cast<int>(offset)) * kC + c0;
+  } else if (exists) {
+    const std::int64_t tile_row = r + offset;
+    if (tile_row < 0 || tile_row >= kWgRows) {
+      return *reinterpret_cast<const uint4*>(row_of<T>(p.x, at.n, at.l + offset) + c0);
+    }
+    from = xs + (kWsHalo + tile_row) * kC + c0;
+  }
+  return *reinterpret_cast<const uint4*>(from);
 }
 
-template <typename T, int kC>
-__device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
-                                            const float* mean, const float* rstd,
-                                            std::int64_t count, int t) {
+/// A producer thread's current row of the plane, (n, l) in int (ws_fits keeps N L below
+/// INT_MAX - kWgRows), with its example's statistics as A = conv scale + shift (scale = rstd,
+/// shift = -mean rstd; both 0 past the plane, so that such rows' A is zero).
+struct RowCursor {
+  int n, l, examples, len;
+  float scale, shift;
+
+  __device__ __forceinline__ RowCursor(const CheriBlockParams& p, int row, const float* mean,
+                                       const float* rstd)
+      : examples(static_cast<int>(p.n)), len(static_cast<int>(p.l)) {
+    n = row / len;
+    l = row - n * len;
+    load_statistics(mean, rstd);
+  }
+  __device__ __forceinline__ bool live() const { return n < examples; }
+  __device__ __forceinline__ void load_statistics(const float* mean, const float* rstd) {
+    scale = live() ? rstd[n] : 0.0f;
+    shift = live() ? -mean[n] * scale : 0.0f;
+  }
+  /// Moves on by `rows` rows.
+  __device__ __forceinline__ void advance(int rows, const float* mean, const float* rstd) {
+    l += rows;
+    if (l >= len) {
+      do {
+        l -= len;
+        ++n;
+      } while (l >= len);
+      load_statistics(mean, rstd);
+    }
+  }
+};
+
+/// The producer's work on one tile (`first` its first row of the plane): A = conv + norm of the
+/// rows in the x slot `xs` into the A slot's block `a` (see ws_producer; kNear: d <= kWsHalo).
+template <typename T, int kC, bool kNear>
+__device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
+                                                const WsShared<T, kC>& s, const T* xs,
+                                                unsigned char* a, std::int64_t first,
+                                                const float* mean, const float* rstd,
+                                                const float (&wl)[kVec16<T>],
+                                                const float (&wm)[kVec16<T>],
+                                                const float (&wr)[kVec16<T>], int t) {
   constexpr int kV = kVec16<T>;                       // channels of a 16-byte piece
   constexpr int kGroups = kC / kV;                    // pieces a row
   constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
   constexpr int kPasses = kWgRows / kRowsPerPass;     // rows a thread covers in a tile
   constexpr int kBatch = 2;                           // rows whose loads are issued together
   static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
+  const int c0 = (t % kGroups) * kV, r_first = t / kGroups;
+  const std::int64_t d = p.dilation;
+  // d in int where it is compared with a row (rows are below INT_MAX)
+  const int di = static_cast<int>(min(d, std::int64_t{std::numeric_limits<int>::max()}));
+  RowCursor at(p, static_cast<int>(first) + r_first, mean, rstd);
+#pragma unroll 1
+  for (int u0 = 0; u0 < kPasses; u0 += kBatch) {
+    // Every load of the batch first, so that their latencies overlap; then the arithmetic.
+    uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
+    float scale[kBatch], shift[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (b > 0) at.advance(kRowsPerPass, mean, rstd);
+      const int r = r_first + (u0 + b) * kRowsPerPass;
+      const PlaneRow row{at.n, at.l};
+      xm[b] = *reinterpret_cast<const uint4*>(xs + (r + kWsHalo) * kC + c0);
+      xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, at.live() && at.l >= di);
+      xr[b] = tap_piece<T, kC, kNear>(p, s, xs, r, d, row, c0, at.live() && at.l < at.len - di);
+      scale[b] = at.scale;
+      shift[b] = at.shift;
+    }
+    at.advance(kRowsPerPass, mean, rstd);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int r = r_first + (u0 + b) * kRowsPerPass;
+      const auto* em = reinterpret_cast<const T*>(&xm[b]);
+      const auto* el = reinterpret_cast<const T*>(&xl[b]);
+      const auto* er = reinterpret_cast<const T*>(&xr[b]);
+      std::uint32_t h[kV / 2];
+#pragma unroll
+      for (int j = 0; j < kV; j += 2) {
+        float v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float conv = fmaf(wl[j + e], to_float(el[j + e]),
+                                  fmaf(wr[j + e], to_float(er[j + e]),
+                                       wm[j + e] * to_float(em[j + e])));
+          v[e] = fmaf(conv, scale[b], shift[b]);
+        }
+        h[j / 2] = pack_half2(v[0], v[1]);
+      }
+      unsigned char* dst = a + swizzled_offset(r, c0 % 64);
+      if constexpr (kV == 8) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0], h[1]);
+      }
+    }
+  }
+}
+
+template <typename T, int kC>
+__device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
+                                            const float* mean, const float* rstd,
+                                            std::int64_t count, int t) {
+  constexpr int kV = kVec16<T>;
   const int lane = t % kWarpSize, warp = t / kWarpSize;
-  const std::int64_t len = p.l, d = p.dilation;
   const auto tile_of = [&](std::int64_t i) { return blockIdx.x + i * gridDim.x; };
   if (warp == 0) {
     for (int i = 0; i < s.kXStages && i < count; ++i) {
       issue_x_rows<T, kC>(p, s.x_slot(i), s.x_full + i, tile_of(i), lane);
     }
   }
-  const int c0 = (t % kGroups) * kV, r_first = t / kGroups;
+  const int c0 = (t % (kC / kV)) * kV;
   const std::uint32_t block_offset = (c0 / 64) * kATileBlockBytes;
   float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels
 #pragma unroll
@@ -1302,62 +1541,18 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
     wm[j] = s.cw[kC + c0 + j];
     wr[j] = s.cw[2 * kC + c0 + j];
   }
+  const bool near = p.dilation <= kWsHalo;
   RingPosition xpos, apos;
   for (std::int64_t i = 0; i < count; ++i) {
     const std::int64_t first = tile_of(i) * kWgRows;
-    const PlaneRow start{first / len, first % len};
     T* xs = s.x_slot(xpos.slot);
     unsigned char* a = s.a_slot(apos.slot) + block_offset;
     mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
     mbarrier_wait(s.a_empty + apos.slot, apos.phase ^ 1u);
-#pragma unroll 1
-    for (int u0 = 0; u0 < kPasses; u0 += kBatch) {
-      // Every load of the batch first (taps from shared or global memory, the statistics),
-      // so that their latencies overlap; then the arithmetic.
-      uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
-      float m[kBatch], rs[kBatch];
-      bool has_left[kBatch], has_right[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int r = r_first + (u0 + b) * kRowsPerPass;
-        const PlaneRow at = plane_row(start, r, len);
-        const bool live = at.n < p.n;
-        has_left[b] = live && at.l >= d;
-        has_right[b] = live && at.l + d < len;
-        xm[b] = *reinterpret_cast<const uint4*>(xs + r * kC + c0);
-        const T* left = tap_piece<T, kC>(p, xs, r, -d, at, c0, has_left[b]);
-        const T* right = tap_piece<T, kC>(p, xs, r, d, at, c0, has_right[b]);
-        xl[b] = *reinterpret_cast<const uint4*>(left);
-        xr[b] = *reinterpret_cast<const uint4*>(right);
-        m[b] = live ? mean[at.n] : 0.0f;
-        rs[b] = live ? rstd[at.n] : 0.0f;  // 0 for a row past the plane: its A row is zero
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int r = r_first + (u0 + b) * kRowsPerPass;
-        const auto* em = reinterpret_cast<const T*>(&xm[b]);
-        const auto* el = reinterpret_cast<const T*>(&xl[b]);
-        const auto* er = reinterpret_cast<const T*>(&xr[b]);
-        std::uint32_t h[kV / 2];
-#pragma unroll
-        for (int j = 0; j < kV; j += 2) {
-          float v[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            v[e] = wm[j + e] * to_float(em[j + e]);
-            if (has_left[b]) v[e] += wl[j + e] * to_float(el[j + e]);
-            if (has_right[b]) v[e] += wr[j + e] * to_float(er[j + e]);
-            v[e] = (v[e] - m[b]) * rs[b];
-          }
-          h[j / 2] = pack_half2(v[0], v[1]);
-        }
-        unsigned char* dst = a + swizzled_offset(r, c0 % 64);
-        if constexpr (kV == 8) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
-        } else {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(h[0], h[1]);
-        }
-      }
+    if (near) {
+      ws_produce_tile<T, kC, true>(p, s, xs, a, first, mean, rstd, wl, wm, wr, t);
+    } else {
+      ws_produce_tile<T, kC, false>(p, s, xs, a, first, mean, rstd, wl, wm, wr, t);
     }
     fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
     mbarrier_arrive(s.a_full + apos.slot);
@@ -1461,6 +1656,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   stage_swizzled(w1, hidden, kC, s.w1);
   stage_swizzled(w2, kC, hidden, s.w2);
   for (int i = threadIdx.x; i < 3 * kC; i += kWsThreads) s.cw[i] = conv_w[i];
+  for (int i = threadIdx.x; i < kC; i += kWsThreads) s.zero[i] = from_float<T>(0.0f);
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kXStages; ++i) mbarrier_init(s.x_full + i, 1);
     for (int i = 0; i < s.kAStages; ++i) {
@@ -1710,16 +1906,39 @@ PlaneGrid plane_grid(const CheriBlockParams& p) {
   return {rows, ceil_div(p.l, rows)};
 }
 
-/// The blocks of the statistics pass: larger than the other plane passes', so that each block's
-/// merge of its threads' moments is paid over more values.
-PlaneGrid stats_grid(const CheriBlockParams& p) {
+/// The blocks of the statistics pass (stage_bytes > 0: plane_stats_staged_kernel's, with that
+/// much dynamic shared memory).
+struct StatsGrid {
+  std::int64_t rows;    // of L per block
+  std::int64_t chunks;  // blocks per example
+  std::size_t stage_bytes;
+};
+
+/// The statistics pass's blocks: larger than the other plane passes', so that each block's merge
+/// of its threads' moments is paid over more values. Staged on sm_90 where x's rows are dense and
+/// 16-byte aligned and a block's rows with their halo (d rows on each side, none for d >= L) fit
+/// kStatsStageBytes: the whole plane when it fits, else equal blocks of at most capacity - 2 d
+/// rows, where d is at most a quarter of the capacity (the halo read at most as often as the rows).
+template <typename T>
+StatsGrid stats_grid(const CheriBlockParams& p, int device) {
+  const auto row_bytes = static_cast<std::int64_t>(p.c * sizeof(T));
+  const std::int64_t capacity = static_cast<std::int64_t>(kStatsStageBytes) / row_bytes - 1;
+  const std::int64_t halo = p.dilation < p.l ? p.dilation : 0;
+  if (has_warpgroup_mma(device) && rows_aligned(p.x, p, sizeof(T)) && p.x.stride[1] == p.c &&
+      capacity >= 1 && (p.l <= capacity || 4 * halo <= capacity)) {
+    const std::int64_t chunks = p.l <= capacity ? 1 : ceil_div(p.l, capacity - 2 * halo);
+    const std::int64_t rows = ceil_div(p.l, chunks);
+    const std::int64_t staged = std::min(p.l, rows + 2 * halo);
+    return {rows, chunks, static_cast<std::size_t>((staged + 1) * row_bytes)};  // and the zeros
+  }
   const std::int64_t rows = std::clamp<std::int64_t>(kStatsElements / p.c, 1, p.l);
-  return {rows, ceil_div(p.l, rows)};
+  return {rows, ceil_div(p.l, rows), 0};
 }
 
 /// Bytes of the partial moments the statistics pass writes.
-std::size_t stats_partial_bytes(const CheriBlockParams& p) {
-  return doubles(3 * p.n * stats_grid(p).chunks);
+template <typename T>
+std::size_t stats_partial_bytes(const CheriBlockParams& p, int device) {
+  return doubles(3 * p.n * stats_grid<T>(p, device).chunks);
 }
 
 void pack(const CheriMatrix& m, std::int64_t rows, std::int64_t cols, float* dst, int device,
@@ -1760,14 +1979,20 @@ void with_vec(bool vector, F&& f) {
 /// The statistics of every example into mean_ws and rstd_ws [N] (and p.mean, p.rstd if set).
 template <typename T>
 void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* partial,
-                      float* mean_ws, float* rstd_ws, cudaStream_t stream) {
-  const PlaneGrid g = stats_grid(p);
+                      float* mean_ws, float* rstd_ws, int device, cudaStream_t stream) {
+  const StatsGrid g = stats_grid<T>(p, device);
   const auto blocks = static_cast<unsigned>(p.n * g.chunks);
-  with_vec<T>(rows_aligned(p.x, p, sizeof(T)), [&](auto v) {
-    plane_stats_kernel<T, decltype(v)::value>
-        <<<blocks, kThreads, 0, stream>>>(p, conv_w, g.rows, g.chunks, partial);
-    FUSEKIT_CUDA_CHECK_LAUNCH("plane_stats_kernel");
-  });
+  if (g.stage_bytes > 0) {
+    plane_stats_staged_kernel<T, kVec16<T>><<<blocks, kThreads, g.stage_bytes, stream>>>(
+        p, conv_w, g.rows, g.chunks, partial);
+    FUSEKIT_CUDA_CHECK_LAUNCH("plane_stats_staged_kernel");
+  } else {
+    with_vec<T>(rows_aligned(p.x, p, sizeof(T)), [&](auto v) {
+      plane_stats_kernel<T, decltype(v)::value>
+          <<<blocks, kThreads, 0, stream>>>(p, conv_w, g.rows, g.chunks, partial);
+      FUSEKIT_CUDA_CHECK_LAUNCH("plane_stats_kernel");
+    });
+  }
   constexpr int kFinalizeThreads = 128;  // 4 examples a block
   stats_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
                           kFinalizeThreads, 0, stream>>>(
@@ -2026,7 +2251,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(stats_partial_bytes(p)),
+                    o_part = carve.take(stats_partial_bytes<T>(p, device)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n)),
                     o_y = carve.take(floats(rows * c)), o_h = carve.take(floats(rows * h));
   const StreamWorkspace ws(carve.total(), stream);
@@ -2037,7 +2262,7 @@ void block_forward(const CheriBlockParams& p, bool tf32, int device, cudaStream_
   float* rstd = at<float>(ws, o_rstd);
   float* y = at<float>(ws, o_y);
   float* hid = at<float>(ws, o_h);
-  plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, stream);
+  plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, device, stream);
   conv_norm_apply<T, float>(p, conv_w, {mean, 1}, {rstd, 1}, dense(y, p), device, stream);
   gemm({.m = rows, .n = h, .k = c, .a = {y, c, false}, .b = {w1, c, true}, .d = hid, .ldd = h},
        tf32, device, stream);
@@ -2082,7 +2307,8 @@ constexpr bool kWsTaken = sizeof(T) == 2 && kC == 128;
 template <typename T, int kC>
 bool ws_fits(const CheriBlockParams& p, int device) {
   static_assert(kWsTaken<T, kC>, "asked only where kWsTaken holds");
-  return p.hidden == kWsHidden<kC> &&
+  constexpr std::int64_t kIntRows = std::numeric_limits<int>::max() - kWgRows;  // RowCursor
+  return p.hidden == kWsHidden<kC> && p.n * p.l < kIntRows &&
          warpgroup_kernel_fits(p, device, ws_smem_bytes<T, kC>(p.hidden));
 }
 
@@ -2106,7 +2332,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)),
-                    o_part = carve.take(stats_partial_bytes(p)),
+                    o_part = carve.take(stats_partial_bytes<T>(p, device)),
                     o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
   const StreamWorkspace ws(carve.total(), stream);
   const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
@@ -2114,7 +2340,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   const float* w2 = dense_float32(p.linear2, c, h, at<float>(ws, o_w2), device, stream);
   float* mean = at<float>(ws, o_mean);
   float* rstd = at<float>(ws, o_rstd);
-  plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, stream);
+  plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, device, stream);
   // Each kernel may take all the shared memory a block can have (set once per device); the
   // sizes, which follow E C, were checked against it by fused_fits and wgmma_fits.
   const int max_smem = max_shared_memory_per_block(device);
@@ -2293,14 +2519,14 @@ void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stre
     using T = typename CudaType<decltype(tag)::value>::type;
     Carve carve;
     const std::size_t o_conv = carve.take(floats(3 * p.c)),
-                      o_part = carve.take(stats_partial_bytes(p)),
+                      o_part = carve.take(stats_partial_bytes<T>(p, device)),
                       o_mean = carve.take(floats(p.n)), o_rstd = carve.take(floats(p.n));
     const StreamWorkspace ws(carve.total(), s);
     float* conv_w = at<float>(ws, o_conv);
     float* mean = at<float>(ws, o_mean);
     float* rstd = at<float>(ws, o_rstd);
     pack(p.conv_weight, 3, p.c, conv_w, device, s);
-    plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, s);
+    plane_statistics<T>(p, conv_w, at<double>(ws, o_part), mean, rstd, device, s);
     conv_norm_apply<T, T>(p, conv_w, {mean, 1}, {rstd, 1}, p.out, device, s);
   });
 }
