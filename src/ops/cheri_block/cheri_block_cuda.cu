@@ -19,9 +19,9 @@
 // columns GEMM1 (mma.sync m16n8k16, float32 accumulation), GELU(tanh) in float32 into GEMM2's A
 // fragments, GEMM2 accumulating [16, C] in registers; out = x + residual_scale * acc, x kept in
 // registers from the tile. C of 64 and 128 with E C a multiple of 64; other shapes (or
-// misaligned rows) take the training forward's path. On sm_90a the same block runs on warpgroup
-// MMAs (cheri_inference_wgmma_kernel), and for half-precision x at C = 128 on a warp-specialised
-// kernel (cheri_inference_ws_kernel).
+// misaligned rows) take the training forward's path. On sm_90a the block runs on a
+// warp-specialised warpgroup-MMA kernel for E = 2 (cheri_inference_ws_kernel), and on the
+// warpgroup MMAs of cheri_inference_wgmma_kernel for other E.
 //
 // Training (cheri_block, cheri_block_backward). In float32 with allow_tf32 and C of 64 or 128,
 // the forward is the inference path with its statistics kept, and on sm_90a the backward starts
@@ -1290,8 +1290,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait<0>();
 }
 
-// The block on warp-specialised warpgroup MMAs (sm_90a), for E = 2 (taken for half-precision x
-// at C = 128, see ws_fits): a producer warpgroup and two consumer warpgroups, with registers
+// The block on warp-specialised warpgroup MMAs (sm_90a), for E = 2 (see ws_fits): a producer
+// warpgroup and two consumer warpgroups, with registers
 // moved from the first to the others. The block takes the tiles blockIdx.x + i gridDim.x (64 rows
 // of (n, l) each), in order.
 //   - Producer: a bulk copy brings x of tile i and kWsHalo rows on each side (one copy when the
@@ -1316,8 +1316,9 @@ constexpr int kWsHidden = 2 * kC;
 constexpr int kWsHalo = 8;
 constexpr int kWsSlotRows = kWgRows + 2 * kWsHalo;
 /// Slots of the x and A rings of the warp-specialised kernel: what fits in 227 KiB beside the
-/// weights for half-precision x at C = 128.
-constexpr int kWsXStages = 2;
+/// weights at C = 128 (for float32 x one x slot, so that the producer waits for each tile's copy).
+template <typename T>
+constexpr int kWsXStages = sizeof(T) == 2 ? 2 : 1;
 constexpr int kWsAStages = 3;
 
 template <typename T, int kC>
@@ -1326,16 +1327,16 @@ std::size_t ws_smem_bytes(std::int64_t hidden) {
   return 1024                                                           // alignment to 1024
          + 2 * h * kC * sizeof(__half)                                  // linear1, linear2
          + kWsAStages * kWgRows * kC * sizeof(__half)                   // A slots
-         + kWsXStages * kWsSlotRows * kC * sizeof(T)                    // x slots
+         + kWsXStages<T> * kWsSlotRows * kC * sizeof(T)                 // x slots
          + 3 * kC * sizeof(float)                                       // taps
          + kC * sizeof(T)                                               // a row of zeros
-         + (kWsXStages + 2 * kWsAStages) * sizeof(std::uint64_t);       // barriers
+         + (kWsXStages<T> + 2 * kWsAStages) * sizeof(std::uint64_t);    // barriers
 }
 
 /// The shared memory of cheri_inference_ws_kernel (ws_smem_bytes), from a 1024-byte-aligned base.
 template <typename T, int kC>
 struct WsShared {
-  static constexpr int kXStages = kWsXStages, kAStages = kWsAStages;
+  static constexpr int kXStages = kWsXStages<T>, kAStages = kWsAStages;
   unsigned char* w1;        // [C / 64][E C][64] float16, swizzled
   unsigned char* w2;        // [E C / 64][C][64]
   unsigned char* a;         // [kAStages][C / 64][64][64]
@@ -2299,14 +2300,11 @@ bool wgmma_fits(const CheriBlockParams& p, int device) {
 }
 
 /// Whether the warp-specialised inference kernel for C = kC takes this call (and its rows are
-/// aligned, which fused_fits checks). It runs for half-precision x at C = 128, where it measured
-/// faster than cheri_inference_wgmma_kernel; with float32 x or at C = 64 it measured slower
-/// (H100, 2026-11-22, bench/NOTES.md).
-template <typename T, int kC>
-constexpr bool kWsTaken = sizeof(T) == 2 && kC == 128;
+/// aligned, which fused_fits checks): E = 2, fewer than INT_MAX rows, on sm_90a. Where it runs it
+/// measured faster than cheri_inference_wgmma_kernel for every dtype at C = 64 and 128 (H100,
+/// 2026-11-22, bench/NOTES.md).
 template <typename T, int kC>
 bool ws_fits(const CheriBlockParams& p, int device) {
-  static_assert(kWsTaken<T, kC>, "asked only where kWsTaken holds");
   constexpr std::int64_t kIntRows = std::numeric_limits<int>::max() - kWgRows;  // RowCursor
   return p.hidden == kWsHidden<kC> && p.n * p.l < kIntRows &&
          warpgroup_kernel_fits(p, device, ws_smem_bytes<T, kC>(p.hidden));
@@ -2346,18 +2344,16 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   const int max_smem = max_shared_memory_per_block(device);
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto describe = [&] { return concat(kOp, ": the fused inference kernel (C = ", c, ")"); };
-  if constexpr (kWsTaken<T, kC>) {
-    if (ws_fits<T, kC>(p, device)) {
-      static std::atomic<bool> allowed[kMaxDevices];
-      const auto kernel = cheri_inference_ws_kernel<T, kC>;
-      allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
-      const auto blocks =
-          static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
-      kernel<<<blocks, kWsThreads, ws_smem_bytes<T, kC>(h), stream>>>(p, conv_w, w1, w2, mean,
-                                                                       rstd);
-      FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_ws_kernel");
-      return;
-    }
+  if (ws_fits<T, kC>(p, device)) {
+    static std::atomic<bool> allowed[kMaxDevices];
+    const auto kernel = cheri_inference_ws_kernel<T, kC>;
+    allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
+    const auto blocks =
+        static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
+    kernel<<<blocks, kWsThreads, ws_smem_bytes<T, kC>(h), stream>>>(p, conv_w, w1, w2, mean,
+                                                                     rstd);
+    FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_ws_kernel");
+    return;
   }
   if (wgmma_fits<T, kC>(p, device)) {
     static std::atomic<bool> allowed[kMaxDevices];
