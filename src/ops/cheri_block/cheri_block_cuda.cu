@@ -1294,12 +1294,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // warpgroup and two consumer warpgroups, with registers
 // moved from the first to the others. The block takes the tiles blockIdx.x + i gridDim.x (64 rows
 // of (n, l) each), in order.
-//   - Producer: a bulk copy brings x of tile i and kWsHalo rows on each side (one copy when the
-//     rows are one range of memory, else one a row) into a ring of kXStages x slots; its 128
-//     threads turn the tile into A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major
-//     layout, in a ring of kAStages A slots, and hand it over on the slot's full barrier. Taps
-//     outside the plane read a row of zeros; for d above kWsHalo, those past the tile's rows (and
-//     no halo rows are copied) come from global memory.
+//   - Producer: bulk copies bring x of tile i, a part at a time (the whole tile, or a half for
+//     float32 x) with kWsHalo rows on each side (one copy when the rows are one range of memory,
+//     else one a row), into a ring of kXStages x slots; its 128 threads turn the tile into
+//     A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major layout, in a ring of
+//     kAStages A slots, and hand it over on the slot's full barrier. Taps outside the plane read
+//     a row of zeros; for d above kWsHalo, those past the part's rows (and no halo rows are
+//     copied) come from global memory.
 //   - Consumer k takes the block's tiles k, k + 2, ...: per 64 hidden columns h = A W1^T (both
 //     operands in shared memory), GELU(h) into registers, out += GELU(h) W2^T (A from registers).
 //     The chunks are software pipelined: h of two chunks in flight, so that the tensor cores run
@@ -1311,14 +1312,16 @@ constexpr int kWsThreads = 3 * kWgThreads;
 template <int kC>
 constexpr int kWsHidden = 2 * kC;
 
-/// Rows of x that an x slot of the warp-specialised kernel holds on each side of its tile: for d
-/// up to kWsHalo every tap of the tile's rows comes from the slot.
+/// The x slots of the warp-specialised kernel hold a part of a tile (kWsPartRows rows: the whole
+/// tile, or half of it for float32 x, so that two slots fit in 227 KiB beside the weights and the
+/// A slots at C = 128) and kWsHalo rows on each side: for d up to kWsHalo every tap of the part's
+/// rows comes from its slot.
 constexpr int kWsHalo = 8;
-constexpr int kWsSlotRows = kWgRows + 2 * kWsHalo;
-/// Slots of the x and A rings of the warp-specialised kernel: what fits in 227 KiB beside the
-/// weights at C = 128 (for float32 x one x slot, so that the producer waits for each tile's copy).
 template <typename T>
-constexpr int kWsXStages = sizeof(T) == 2 ? 2 : 1;
+constexpr int kWsPartRows = sizeof(T) == 2 ? kWgRows : kWgRows / 2;
+template <typename T>
+constexpr int kWsSlotRows = kWsPartRows<T> + 2 * kWsHalo;
+constexpr int kWsXStages = 2;
 constexpr int kWsAStages = 3;
 
 template <typename T, int kC>
@@ -1327,23 +1330,22 @@ std::size_t ws_smem_bytes(std::int64_t hidden) {
   return 1024                                                           // alignment to 1024
          + 2 * h * kC * sizeof(__half)                                  // linear1, linear2
          + kWsAStages * kWgRows * kC * sizeof(__half)                   // A slots
-         + kWsXStages<T> * kWsSlotRows * kC * sizeof(T)                 // x slots
-         + 3 * kC * sizeof(float)                                       // taps
+         + kWsXStages * kWsSlotRows<T> * kC * sizeof(T)                 // x slots
          + kC * sizeof(T)                                               // a row of zeros
-         + (kWsXStages<T> + 2 * kWsAStages) * sizeof(std::uint64_t);    // barriers
+         + (kWsXStages + 2 * kWsAStages) * sizeof(std::uint64_t);       // barriers
 }
 
 /// The shared memory of cheri_inference_ws_kernel (ws_smem_bytes), from a 1024-byte-aligned base.
 template <typename T, int kC>
 struct WsShared {
-  static constexpr int kXStages = kWsXStages<T>, kAStages = kWsAStages;
+  static constexpr int kXStages = kWsXStages, kAStages = kWsAStages;
+  static constexpr int kSlotRows = kWsSlotRows<T>;
   unsigned char* w1;        // [C / 64][E C][64] float16, swizzled
   unsigned char* w2;        // [E C / 64][C][64]
   unsigned char* a;         // [kAStages][C / 64][64][64]
-  T* xs;                    // [kXStages][kWsSlotRows][C]: a tile's rows after kWsHalo rows
-  float* cw;                // [3][C]
+  T* xs;                    // [kXStages][kSlotRows][C]: a part's rows after kWsHalo rows
   T* zero;                  // [C]: the taps outside the plane
-  std::uint64_t* x_full;    // [kXStages]: x of the slot's tile arrived
+  std::uint64_t* x_full;    // [kXStages]: x of the slot's part arrived
   std::uint64_t* a_full;    // [kAStages]: the producer wrote the slot's A
   std::uint64_t* a_empty;   // [kAStages]: the consumer's products read it
 
@@ -1352,13 +1354,12 @@ struct WsShared {
     w2 = w1 + static_cast<std::size_t>(hidden) * kC * 2;
     a = w2 + static_cast<std::size_t>(hidden) * kC * 2;
     xs = reinterpret_cast<T*>(a + kAStages * kWgRows * kC * 2);
-    cw = reinterpret_cast<float*>(xs + kXStages * kWsSlotRows * kC);
-    zero = reinterpret_cast<T*>(cw + 3 * kC);
+    zero = xs + kXStages * kSlotRows * kC;
     x_full = reinterpret_cast<std::uint64_t*>(zero + kC);
     a_full = x_full + kXStages;
     a_empty = a_full + kAStages;
   }
-  __device__ T* x_slot(int slot) const { return xs + slot * kWsSlotRows * kC; }
+  __device__ T* x_slot(int slot) const { return xs + slot * kSlotRows * kC; }
   __device__ unsigned char* a_slot(int slot) const { return a + slot * kWgRows * kC * 2; }
 };
 
@@ -1372,22 +1373,22 @@ constexpr int kWsProducerRegisters = 120;
 constexpr int kWsConsumerRegisters = 192;
 constexpr int kATileBlockBytes = kWgRows * 128;  // one 64-k block of an A tile
 
-/// Warp 0 of the producer: the rows of `tile`, and for d <= kWsHalo kWsHalo rows on each side
-/// (those of the plane [N L, C]), into the x slot `dst` by bulk copies (one when the rows are one
-/// range of memory, else one a row), completing on `bar` (which expects their bytes). The tile's
-/// row r goes to the slot's row kWsHalo + r.
+/// Warp 0 of the producer: the kWsPartRows<T> rows of the plane [N L, C] from `first` (a part of
+/// a tile), and for d <= kWsHalo kWsHalo rows on each side, into the x slot `dst` by bulk copies
+/// (one when the rows are one range of memory, else one a row), completing on `bar` (which
+/// expects their bytes). Row first + r goes to the slot's row kWsHalo + r.
 template <typename T, int kC>
 __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, std::uint64_t* bar,
-                                             std::int64_t tile, int lane) {
+                                             std::int64_t first, int lane) {
   constexpr std::uint32_t kRowBytes = kC * sizeof(T);
   const int halo = p.dilation <= kWsHalo ? kWsHalo : 0;
-  const std::int64_t first = tile * kWgRows - kWsHalo;  // the slot's row 0
-  const std::int64_t lo = max(first + kWsHalo - halo, std::int64_t{0});
-  const std::int64_t hi = min(first + kWsHalo + kWgRows + halo, p.n * p.l);
-  const int count = static_cast<int>(hi - lo);
-  T* to = dst + (lo - first) * kC;
+  const std::int64_t lo = max(first - halo, std::int64_t{0});
+  const std::int64_t hi = min(first + kWsPartRows<T> + halo, p.n * p.l);
+  const int count = hi > lo ? static_cast<int>(hi - lo) : 0;  // none for a part past the plane
+  T* to = dst + (kWsHalo + lo - first) * kC;
   if (lane == 0) mbarrier_arrive_expect_bytes(bar, count * kRowBytes);
   __syncwarp();
+  if (count == 0) return;
   if (p.x.stride[1] == kC && (p.x.stride[0] == p.l * kC || lo / p.l == (hi - 1) / p.l)) {
     // the rows are one range of memory: one copy
     if (lane == 0) {
@@ -1401,10 +1402,10 @@ __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, 
   }
 }
 
-/// The 16 bytes of x at row `at` + `offset` of the plane (row r of the tile; `exists` false where
-/// that row lies outside the plane), channels c0 on: from the x slot `xs` where it holds the row
-/// (kNear, d <= kWsHalo: always; else when it lies in the tile), else from global memory; zeros
-/// where it does not exist.
+/// The 16 bytes of x at row `at` + `offset` of the plane (row r of the slot's part; `exists`
+/// false where that row lies outside the plane), channels c0 on: from the x slot `xs` where it
+/// holds the row (kNear, d <= kWsHalo: always; else when it lies in the part), else from global
+/// memory; zeros where it does not exist.
 template <typename T, int kC, bool kNear>
 __device__ __forceinline__ uint4 tap_piece(const CheriBlockParams& p, const WsShared<T, kC>& s,
                                            const T* xs, int r, std::int64_t offset, PlaneRow at,
@@ -1413,11 +1414,11 @@ __device__ __forceinline__ uint4 tap_piece(const CheriBlockParams& p, const WsSh
   if constexpr (kNear) {
     if (exists) from = xs + (r + kWsHalo + static_cast<int>(offset)) * kC + c0;
   } else if (exists) {
-    const std::int64_t tile_row = r + offset;
-    if (tile_row < 0 || tile_row >= kWgRows) {
+    const std::int64_t part_row = r + offset;
+    if (part_row < 0 || part_row >= kWsPartRows<T>) {
       return *reinterpret_cast<const uint4*>(row_of<T>(p.x, at.n, at.l + offset) + c0);
     }
-    from = xs + (kWsHalo + tile_row) * kC + c0;
+    from = xs + (kWsHalo + part_row) * kC + c0;
   }
   return *reinterpret_cast<const uint4*>(from);
 }
@@ -1454,12 +1455,13 @@ struct RowCursor {
   }
 };
 
-/// The producer's work on one tile (`first` its first row of the plane): A = conv + norm of the
-/// rows in the x slot `xs` into the A slot's block `a` (see ws_producer; kNear: d <= kWsHalo).
+/// The producer's work on part `part` of a tile: A = conv + norm of the part's rows (in the x
+/// slot `xs`) into the A slot's block `a`, `at` at the thread's first row of the part (see
+/// ws_producer; kNear: d <= kWsHalo).
 template <typename T, int kC, bool kNear>
-__device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
+__device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
                                                 const WsShared<T, kC>& s, const T* xs,
-                                                unsigned char* a, std::int64_t first,
+                                                unsigned char* a, int part, RowCursor& at,
                                                 const float* mean, const float* rstd,
                                                 const float (&wl)[kVec16<T>],
                                                 const float (&wm)[kVec16<T>],
@@ -1467,14 +1469,14 @@ __device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
   constexpr int kV = kVec16<T>;                       // channels of a 16-byte piece
   constexpr int kGroups = kC / kV;                    // pieces a row
   constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
-  constexpr int kPasses = kWgRows / kRowsPerPass;     // rows a thread covers in a tile
+  constexpr int kPasses = kWsPartRows<T> / kRowsPerPass;  // rows a thread covers in a part
   constexpr int kBatch = 2;                           // rows whose loads are issued together
   static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
   const int c0 = (t % kGroups) * kV, r_first = t / kGroups;
+  const int r_part = part * kWsPartRows<T>;  // the part's first row in the tile
   const std::int64_t d = p.dilation;
   // d in int where it is compared with a row (rows are below INT_MAX)
   const int di = static_cast<int>(min(d, std::int64_t{std::numeric_limits<int>::max()}));
-  RowCursor at(p, static_cast<int>(first) + r_first, mean, rstd);
 #pragma unroll 1
   for (int u0 = 0; u0 < kPasses; u0 += kBatch) {
     // Every load of the batch first, so that their latencies overlap; then the arithmetic.
@@ -1483,7 +1485,7 @@ __device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (b > 0) at.advance(kRowsPerPass, mean, rstd);
-      const int r = r_first + (u0 + b) * kRowsPerPass;
+      const int r = r_first + (u0 + b) * kRowsPerPass;  // in the part
       const PlaneRow row{at.n, at.l};
       xm[b] = *reinterpret_cast<const uint4*>(xs + (r + kWsHalo) * kC + c0);
       xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, at.live() && at.l >= di);
@@ -1494,7 +1496,7 @@ __device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
     at.advance(kRowsPerPass, mean, rstd);
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
-      const int r = r_first + (u0 + b) * kRowsPerPass;
+      const int r = r_part + r_first + (u0 + b) * kRowsPerPass;  // in the tile
       const auto* em = reinterpret_cast<const T*>(&xm[b]);
       const auto* el = reinterpret_cast<const T*>(&xl[b]);
       const auto* er = reinterpret_cast<const T*>(&xr[b]);
@@ -1523,45 +1525,51 @@ __device__ __forceinline__ void ws_produce_tile(const CheriBlockParams& p,
 
 template <typename T, int kC>
 __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
-                                            const float* mean, const float* rstd,
-                                            std::int64_t count, int t) {
+                                            const float* conv_w, const float* mean,
+                                            const float* rstd, std::int64_t count, int t) {
   constexpr int kV = kVec16<T>;
+  constexpr int kParts = kWgRows / kWsPartRows<T>;
   const int lane = t % kWarpSize, warp = t / kWarpSize;
-  const auto tile_of = [&](std::int64_t i) { return blockIdx.x + i * gridDim.x; };
+  // the first row of the plane of the block's part q (of tile q / kParts)
+  const auto part_first = [&](std::int64_t q) {
+    return (blockIdx.x + (q / kParts) * gridDim.x) * kWgRows + (q % kParts) * kWsPartRows<T>;
+  };
+  const std::int64_t parts = count * kParts;
   if (warp == 0) {
-    for (int i = 0; i < s.kXStages && i < count; ++i) {
-      issue_x_rows<T, kC>(p, s.x_slot(i), s.x_full + i, tile_of(i), lane);
+    for (int q = 0; q < s.kXStages && q < parts; ++q) {
+      issue_x_rows<T, kC>(p, s.x_slot(q), s.x_full + q, part_first(q), lane);
     }
   }
   const int c0 = (t % (kC / kV)) * kV;
   const std::uint32_t block_offset = (c0 / 64) * kATileBlockBytes;
   float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels
-#pragma unroll
-  for (int j = 0; j < kV; ++j) {
-    wl[j] = s.cw[c0 + j];
-    wm[j] = s.cw[kC + c0 + j];
-    wr[j] = s.cw[2 * kC + c0 + j];
-  }
+  load_vec<float, kV>(conv_w + c0, wl);
+  load_vec<float, kV>(conv_w + kC + c0, wm);
+  load_vec<float, kV>(conv_w + 2 * kC + c0, wr);
   const bool near = p.dilation <= kWsHalo;
   RingPosition xpos, apos;
   for (std::int64_t i = 0; i < count; ++i) {
-    const std::int64_t first = tile_of(i) * kWgRows;
-    T* xs = s.x_slot(xpos.slot);
     unsigned char* a = s.a_slot(apos.slot) + block_offset;
-    mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
+    RowCursor at(p, static_cast<int>(part_first(i * kParts)) + t / (kC / kV), mean, rstd);
     mbarrier_wait(s.a_empty + apos.slot, apos.phase ^ 1u);
-    if (near) {
-      ws_produce_tile<T, kC, true>(p, s, xs, a, first, mean, rstd, wl, wm, wr, t);
-    } else {
-      ws_produce_tile<T, kC, false>(p, s, xs, a, first, mean, rstd, wl, wm, wr, t);
+#pragma unroll 1
+    for (int part = 0; part < kParts; ++part) {
+      const std::int64_t q = i * kParts + part;
+      T* xs = s.x_slot(xpos.slot);
+      mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
+      if (near) {
+        ws_produce_part<T, kC, true>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
+      } else {
+        ws_produce_part<T, kC, false>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
+      }
+      named_barrier_sync(1, kWgThreads);  // every producer thread is done with the x slot
+      if (warp == 0 && q + s.kXStages < parts) {
+        issue_x_rows<T, kC>(p, xs, s.x_full + xpos.slot, part_first(q + s.kXStages), lane);
+      }
+      xpos.advance(1, s.kXStages);
     }
     fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
     mbarrier_arrive(s.a_full + apos.slot);
-    named_barrier_sync(1, kWgThreads);  // every producer thread is done with the x slot
-    if (warp == 0 && i + s.kXStages < count) {
-      issue_x_rows<T, kC>(p, xs, s.x_full + xpos.slot, tile_of(i + s.kXStages), lane);
-    }
-    xpos.advance(1, s.kXStages);
     apos.advance(1, s.kAStages);
   }
 }
@@ -1656,7 +1664,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const WsShared<T, kC> s(smem_raw, hidden);
   stage_swizzled(w1, hidden, kC, s.w1);
   stage_swizzled(w2, kC, hidden, s.w2);
-  for (int i = threadIdx.x; i < 3 * kC; i += kWsThreads) s.cw[i] = conv_w[i];
   for (int i = threadIdx.x; i < kC; i += kWsThreads) s.zero[i] = from_float<T>(0.0f);
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kXStages; ++i) mbarrier_init(s.x_full + i, 1);
@@ -1675,7 +1682,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
   if (wg == 0) {
     warpgroup_lower_registers<kWsProducerRegisters>();
-    ws_producer<T, kC>(p, s, mean, rstd, count, t);
+    ws_producer<T, kC>(p, s, conv_w, mean, rstd, count, t);
   } else {
     warpgroup_raise_registers<kWsConsumerRegisters>();
     ws_consumer<T, kC>(p, s, count, wg - 1, t);
