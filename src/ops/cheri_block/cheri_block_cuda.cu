@@ -1425,7 +1425,7 @@ __device__ __forceinline__ uint4 tap_piece(const CheriBlockParams& p, const WsSh
 
 /// A producer thread's current row of the plane, (n, l) in int (ws_fits keeps N L below
 /// INT_MAX - kWgRows), with its example's statistics as A = conv scale + shift (scale = rstd,
-/// shift = -mean rstd; both 0 past the plane, so that such rows' A is zero).
+/// shift = -mean rstd; both 0 for rows past the plane, whose outputs are never written).
 struct RowCursor {
   int n, l, examples, len;
   float scale, shift;
