@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -172,12 +173,13 @@ void check_cuda_all(const CheriCase& k, std::mt19937_64& rng, const CheriLayouts
 
 // C = 1 and 3 (scalar path), L = 1, d = L and d > L; C of 48 and 80 (vector plane passes, general
 // inference path); C of 64 and 128 (fused inference: a partial last tile, tiles across example
-// boundaries, E = 1 and 2); C = 256 and E = 3 at C = 128 (too big for the fused kernel's shared
-// memory: the general path); the largest dilations.
+// boundaries, E = 1 and 2, many examples with d above the x slots' halo); C = 256 and E = 3 at C = 128 (too big for the fused kernel's shared memory:
+// the general path); the largest dilations.
 const CheriCase kCases[] = {
     {2, 6, 1, 2, 1},     {3, 1, 3, 2, 4},     {2, 7, 3, 2, 7},     {2, 9, 48, 2, 16},
     {3, 33, 80, 2, 2},   {2, 70, 128, 2, 4},  {3, 45, 64, 2, 64},  {1, 300, 128, 2, 256},
     {2, 37, 128, 1, 3},  {2, 20, 256, 2, 8},  {2, 20, 128, 3, 1},  {2, 40, 8, 1, 256},
+    {9, 65, 64, 2, 9},   {5, 64, 128, 2, 1},
 };
 
 class CheriCuda : public CudaTest<::testing::TestWithParam<std::tuple<DType, CheriCase>>> {};
@@ -328,6 +330,38 @@ TEST_F(CheriCudaMisc, BitwiseDeterministic) {
           in.x, in.w, c.dilation, c.residual_scale, c.eps);
       expect_close(download(a.out.view), ref.out,
                    relative_to_max(ref.out, fast_path_bound(c.dtype)), "out");
+    }
+  }
+}
+
+TEST_F(CheriCudaMisc, NonFiniteExamplesStayTheirOwn) {
+  // A NaN in example 0 and an infinity in example 1 make their statistics, and so all of their
+  // outputs, NaN; example 2 keeps its values (no statistic or tap leaks from one example into
+  // the next). C = 128 and L = 70: the fused kernel, with tiles across example boundaries;
+  // C = 80: the general path.
+  for (DType dtype : kDtypes) {
+    for (const CheriCase& k : {CheriCase{3, 70, 128, 2, 4}, CheriCase{3, 70, 80, 2, 2}}) {
+      const CheriCase c = with_dtype(k, dtype);
+      SCOPED_TRACE(cheri_case_name(c));
+      CheriInputs in = make_cheri_inputs(c, rng_);
+      const std::int64_t plane = c.l * c.c;
+      in.x.values[5 * c.c + 3] = std::numeric_limits<double>::quiet_NaN();
+      in.x.values[plane + 10 * c.c + 7] = std::numeric_limits<double>::infinity();
+      const CheriTensors t = upload_cheri(in, c, kCuda);
+      run_block_inference(t, c);
+      expect_device_ok();
+      const HostTensor out = download(t.out.view);
+      std::int64_t finite = 0;
+      for (std::int64_t i = 0; i < 2 * plane; ++i) finite += std::isnan(out.values[i]) ? 0 : 1;
+      EXPECT_EQ(finite, 0) << "outputs of the non-finite examples that are not NaN";
+      const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
+          in.x, in.w, c.dilation, c.residual_scale, c.eps);
+      HostTensor got_last({1, c.l, c.c}), ref_last({1, c.l, c.c});
+      std::copy(out.values.begin() + 2 * plane, out.values.end(), got_last.values.begin());
+      std::copy(ref.out.values.begin() + 2 * plane, ref.out.values.end(),
+                ref_last.values.begin());
+      expect_close(got_last, ref_last, relative_to_max(ref_last, fast_path_bound(c.dtype)),
+                   "out of example 2");
     }
   }
 }
