@@ -54,6 +54,7 @@
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_workspace.h"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.h"
 #include "fusekit/error.h"
 #include "ops/cheri_block/cheri_block_params.h"
@@ -375,6 +376,7 @@ template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     plane_stats_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
                        std::int64_t chunks, double* partial) {
+  allow_dependents();  // the finalize waits for this pass's completion
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
   const int t = threadIdx.x;
   const std::int64_t d = p.dilation;
@@ -420,6 +422,7 @@ __global__ void __launch_bounds__(kThreads, kStatsStagedBlocks)
     plane_stats_staged_kernel(const CheriBlockParams p, const float* w, std::int64_t rows,
                               std::int64_t chunks, double* partial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  allow_dependents();  // the finalize waits for this pass's completion
   extern __shared__ __align__(128) unsigned char stage_raw[];
   __shared__ std::uint64_t arrived;
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
@@ -474,6 +477,8 @@ __global__ void stats_finalize_kernel(const double* partial, std::int64_t n_exam
                                       std::int64_t chunks, double eps, float* mean_ws,
                                       float* rstd_ws, const CheriStat mean_out,
                                       const CheriStat rstd_out) {
+  allow_dependents();
+  wait_for_prerequisites();  // launched as a dependent of the statistics pass
   const std::int64_t n =
       (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
@@ -1675,6 +1680,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
   fence_proxy_async_shared();  // the tensor cores read the weights that ordinary stores wrote
   __syncthreads();
+  // Launched as a dependent of the statistics: the weights above were staged under their tail;
+  // mean and rstd are read, and out written (it may be x), from here on.
+  wait_for_prerequisites();
 
   const std::int64_t tiles = ceil_div(p.n * p.l, static_cast<std::int64_t>(kWgRows));
   const std::int64_t count =
@@ -1984,7 +1992,10 @@ void with_vec(bool vector, F&& f) {
   }
 }
 
-/// The statistics of every example into mean_ws and rstd_ws [N] (and p.mean, p.rstd if set).
+/// The statistics of every example into mean_ws and rstd_ws [N] (and p.mean, p.rstd if set):
+/// the plane pass, then the finalize as its programmatic dependent (see dependent_launch.cuh),
+/// whose blocks let the next kernel start as soon as they run; a kernel launched after it in the
+/// ordinary way waits for it whole.
 template <typename T>
 void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* partial,
                       float* mean_ws, float* rstd_ws, int device, cudaStream_t stream) {
@@ -2002,10 +2013,10 @@ void plane_statistics(const CheriBlockParams& p, const float* conv_w, double* pa
     });
   }
   constexpr int kFinalizeThreads = 128;  // 4 examples a block
-  stats_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
-                          kFinalizeThreads, 0, stream>>>(
-      partial, p.n, g.chunks, p.eps, mean_ws, rstd_ws, p.mean, p.rstd);
-  FUSEKIT_CUDA_CHECK_LAUNCH("stats_finalize_kernel");
+  launch_dependent(stats_finalize_kernel,
+                   dim3(static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads))),
+                   kFinalizeThreads, 0, device, stream, static_cast<const double*>(partial), p.n,
+                   g.chunks, p.eps, mean_ws, rstd_ws, p.mean, p.rstd);
 }
 
 /// y into `y` of type O (x's dtype in the caller's layout, or a dense float32 buffer).
@@ -2357,9 +2368,9 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
     allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
     const auto blocks =
         static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
-    kernel<<<blocks, kWsThreads, ws_smem_bytes<T, kC>(h), stream>>>(p, conv_w, w1, w2, mean,
-                                                                     rstd);
-    FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_ws_kernel");
+    launch_dependent(kernel, dim3(blocks), kWsThreads, ws_smem_bytes<T, kC>(h), device, stream,
+                     p, conv_w, w1, w2, static_cast<const float*>(mean),
+                     static_cast<const float*>(rstd));
     return;
   }
   if (wgmma_fits<T, kC>(p, device)) {

@@ -30,6 +30,7 @@
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
 #include "common/cuda_wgmma.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/cuda_workspace.h"
 #include "common/tensor_map.h"
 #include "common/dispatch.h"
@@ -44,21 +45,6 @@ constexpr int kRowsPerBlock = 8;  // one warp per row
 constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 
 // ------------------------------------------------------------------------------------ LayerNorm
-
-// Programmatic dependent launch (sm_90): a kernel launched as a dependent may start once every
-// block of the kernel before it has called allow_dependents(); it waits for that kernel's
-// completion and memory with wait_for_prerequisites() before touching what it wrote. Both are
-// no-ops on older devices and for kernels launched the ordinary way.
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 struct LayerNormArgs {
   std::int64_t m, k;
@@ -448,24 +434,6 @@ bool weight_rows_aligned(const LayerNormLinearGeluParams& p) {
 // Whether the few-rows kernel takes a float16 or bfloat16 product (see the top of the file).
 bool few_rows_fits(const LayerNormLinearGeluParams& p) {
   return p.m <= kFewRowsMax && weight_rows_aligned(p);
-}
-
-// Launches `kernel` as a programmatic dependent of the LayerNorm kernel before it on `stream`
-// (sm_90; an ordinary launch on older devices).
-template <typename Kernel, typename... Args>
-void launch_dependent(Kernel kernel, dim3 grid, int threads, std::size_t shared_bytes, int device,
-                      cudaStream_t stream, const Args&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = compute_capability_major(device) >= 9 ? 1 : 0;
-  FUSEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
 ProductArgs product_args(const LayerNormLinearGeluParams& p, const void* xn, std::int64_t ld_xn) {
