@@ -354,6 +354,17 @@ TEST_F(CheriCudaMisc, NonFiniteExamplesStayTheirOwn) {
       std::int64_t finite = 0;
       for (std::int64_t i = 0; i < 2 * plane; ++i) finite += std::isnan(out.values[i]) ? 0 : 1;
       EXPECT_EQ(finite, 0) << "outputs of the non-finite examples that are not NaN";
+      // The poison is a NaN too (every bit set, which no arithmetic NaN has): each of those
+      // outputs was written.
+      const std::vector<unsigned char> bytes = raw_bytes(t.out);
+      const std::size_t size = fusekit::element_size(c.dtype);
+      std::int64_t unwritten = 0;
+      for (std::int64_t i = 0; i < 2 * plane; ++i) {
+        const auto first = bytes.begin() + static_cast<std::ptrdiff_t>(i * size);
+        unwritten += std::all_of(first, first + static_cast<std::ptrdiff_t>(size),
+                                 [](unsigned char b) { return b == 0xff; });
+      }
+      EXPECT_EQ(unwritten, 0) << "outputs of the non-finite examples still holding the poison";
       const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
           in.x, in.w, c.dilation, c.residual_scale, c.eps);
       HostTensor got_last({1, c.l, c.c}), ref_last({1, c.l, c.c});
