@@ -429,8 +429,12 @@ inline void expect_attention_close(const CausalAttentionResult& got,
 
 // ------------------------------------------------------------------------------------ CUDA
 //
-// float32 without TF32 keeps float32 accuracy: the CUDA backend is held to the CPU's bounds above
-// (within 1e-5 relative in norm, as the issue asks).
+// float32 without TF32 keeps float32 accuracy (within 1e-5 relative in norm, as the issue asks),
+// but each of its products is three TF32 products of split operands: the small parts' own
+// roundings and the dropped product of the two small parts leave up to about 4 u32 of each
+// product where a float32 product leaves one. So its unit is four times the CPU backend's. It
+// shows at D = 1, where a score is one product and nothing averages: out 38 u32 off at a sharp
+// score, above the CPU backend's 20 units.
 //
 // float32 with TF32, bfloat16 and float16 multiply on tensor cores. Each operand carries one
 // rounding of relative size u_op (2^-11 for TF32 and float16, 2^-8 for bfloat16): the weights p,
@@ -467,17 +471,19 @@ inline double attention_tensor_core_unit(const AttentionCase& c) {
 /// out of the CUDA backend against float64.
 inline Tolerance attention_cuda_out_tolerance(const AttentionCase& c) {
   const double f32 = 20 * score_error_unit(c), unit = attention_tensor_core_unit(c);
-  if (c.dtype == DType::Float32 && !c.allow_tf32) return {f32, 1e-6, 1e-5};
+  if (c.dtype == DType::Float32 && !c.allow_tf32) return {4 * f32, 1e-6, 1e-5};
   if (tf32_case(c)) return {f32 + 8 * unit, 1e-6, 1e-5 + 3 * unit};
   const double u_out = unit_roundoff(c.dtype);
   return {f32 + 2 * unit, 1e-6 + u_out, 1e-5 + 2 * unit};
 }
 
-/// lse of the CUDA backend against float64, element by element: float32 bounds but for TF32.
+/// lse of the CUDA backend against float64, element by element: float32 bounds but for TF32 (and
+/// the split products' unit for float32).
 inline Tolerance attention_cuda_lse_tolerance(const AttentionCase& c) {
   constexpr double kNoNorm = std::numeric_limits<double>::infinity();
   const double f32 = 20 * score_error_unit(c);
   if (tf32_case(c)) return {f32 + 3 * attention_tensor_core_unit(c), 1e-6 + 4 * 0x1p-11, kNoNorm};
+  if (c.dtype == DType::Float32) return {4 * f32, 1e-6, kNoNorm};  // split products, as for out
   return {f32, 1e-6, kNoNorm};
 }
 
