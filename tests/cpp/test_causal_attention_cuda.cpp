@@ -161,12 +161,17 @@ INSTANTIATE_TEST_SUITE_P(All, AttentionCuda,
 
 // Hundreds of (sequence, head) pairs: launches of many blocks and of a middling count (at the 132
 // multiprocessors of an H100 or H200), besides the few blocks of the cases above, which a launch
-// may spread differently (say, splitting each block's keys between groups of warps).
+// may spread differently (say, splitting each block's keys between groups of warps). The last
+// three have more query tiles of 64 rows than multiprocessors but fewer of 128: the warpgroup
+// kernel's blocks then take two tiles each, a long one and a short one, through one ring.
 const AttentionCase kManyBlockCases[] = {
     {3, 100, 20, 129, 64, kPerSeq, {}},
     {2, 50, 10, 200, 64, kPerSeq, {0, 199}},
     {3, 100, 25, 129, 128, kPerSeq, {}},
     {2, 50, 5, 200, 128, kAll, {1}},
+    {1, 12, 12, 1024, 64, kAll, {100}},
+    {3, 5, 5, 700, 64, kPerSeq, {}},
+    {2, 4, 2, 2000, 128, kPerSeq, {}},
 };
 
 class AttentionCudaManyBlocks
