@@ -162,8 +162,8 @@ INSTANTIATE_TEST_SUITE_P(All, AttentionCuda,
 // Hundreds of (sequence, head) pairs: launches of many blocks and of a middling count (at the 132
 // multiprocessors of an H100 or H200), besides the few blocks of the cases above, which a launch
 // may spread differently (say, splitting each block's keys between groups of warps). The last
-// three have more query tiles of 64 rows than multiprocessors but fewer of 128: the warpgroup
-// kernel's blocks then take two tiles each, a long one and a short one, through one ring.
+// three have more query tiles of 64 rows than multiprocessors but fewer of 128 (the first is
+// GPT-2's shape of the benchmark): the warpgroup kernel splits keys, in more than one wave.
 const AttentionCase kManyBlockCases[] = {
     {3, 100, 20, 129, 64, kPerSeq, {}},
     {2, 50, 10, 200, 64, kPerSeq, {0, 199}},

@@ -58,7 +58,6 @@ struct Args {
   std::int64_t padding_stride;
   float scale_log2;             // scale * log2(e): scores in log2 units
   int query_tiles;              // ceil(T / kBlockM)
-  int blocks;                   // the grid (the warpgroup kernel: a block may take two tiles)
   int heads;                    // B * Hq
   bool vector_loads;            // q, k, v rows may be copied in 16-byte pieces
   bool vector_stores;           // out may be written in pairs of elements
@@ -668,18 +667,12 @@ struct WgConfig {
   static constexpr std::uint32_t kTileBytes = kBlockN * kD * 2;  // one K or V tile
   // Warps that read each tile and hand it back.
   static constexpr int kReaderWarps = 4 * (kSplitKeys ? 1 : kConsumers);
-  // Query tiles a block may take: split keys, two (see the kernel), else one.
-  static constexpr int kItems = kSplitKeys ? 2 : 1;
+  // Shared memory from a 1024-byte aligned base: Q, then K and V of each slot, then the
+  // barriers (Q full, K full and V full of each slot, each slot empty).
+  static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
+  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 8 * (1 + 3 * kStages);
   // What a warpgroup hands another at the end, per thread: m and l of two rows, and O.
   static constexpr int kMergeFloats = 4 + kD / 2;
-  static constexpr std::size_t kMergeBytes =
-      kSplitKeys ? sizeof(float) * kMergeFloats * 128 * (kConsumers - 1) : 0;
-  // Shared memory from a 1024-byte aligned base: the query tiles, K and V of each slot, the merge
-  // buffer, then the barriers (each Q full, K full and V full of each slot, each slot empty).
-  static constexpr std::size_t kKeysOffset = std::size_t{kItems} * kQueryBytes;
-  static constexpr std::size_t kMergeOffset = kKeysOffset + std::size_t{2} * kStages * kTileBytes;
-  static constexpr std::size_t kBarrierOffset = kMergeOffset + kMergeBytes;
-  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 8 * (kItems + 3 * kStages);
   static_assert(kD == 64 || kD == 128);
   static_assert(kBlockN == 64 || kBlockN == 128);
   static_assert(kStages >= 2);
@@ -689,30 +682,9 @@ struct WgConfig {
   // ever tells apart phases of its own tiles.
   // Two slots of its own at least, so that a warpgroup's next tile arrives while it works.
   static_assert(!kSplitKeys || (kStages % kConsumers == 0 && kStages >= 2 * kConsumers));
+  static_assert(!kSplitKeys || sizeof(float) * kMergeFloats * 128 * (kConsumers - 1) <=
+                                   std::size_t{2} * kStages * kTileBytes);
 };
-
-// The query tile a block of the warpgroup kernel takes: its sequence, head and rows, the
-// sequence's padding and the key tiles it walks.
-struct WgItem {
-  int b, h, kvh, m0, pad, key_tiles;
-};
-
-// Work item k of a launch, longest first: k runs over (query tile from the last, sequence and
-// head).
-template <typename C>
-__device__ __forceinline__ WgItem wg_item(const Args& a, int k) {
-  WgItem w;
-  const int tile = a.query_tiles - 1 - k / a.heads;
-  const int bh = k % a.heads;
-  w.b = bh / a.hq;
-  w.h = bh % a.hq;
-  w.kvh = w.h / a.group;
-  w.m0 = tile * C::kBlockM;
-  w.pad = a.padding ? min(max(a.padding[w.b * a.padding_stride], 0), a.t) : a.padding_all;
-  const int key_end = min(a.t, w.m0 + C::kBlockM);
-  w.key_tiles = key_end > w.pad ? (key_end - w.pad + C::kBlockN - 1) / C::kBlockN : 0;
-  return w;
-}
 
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
@@ -729,27 +701,24 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   unsigned char* const base =
       wg_shared_raw + ((1024 - (shared_address(wg_shared_raw) & 1023)) & 1023);
   std::uint64_t* const full_q = reinterpret_cast<std::uint64_t*>(base + C::kBarrierOffset);
-  std::uint64_t* const full_k = full_q + C::kItems;
+  std::uint64_t* const full_k = full_q + 1;
   std::uint64_t* const full_v = full_k + kStages;
   std::uint64_t* const empty = full_v + kStages;
-  auto query_tile = [&](int j) { return base + j * C::kQueryBytes; };
-  auto key_tile = [&](int slot) { return base + C::kKeysOffset + slot * 2 * C::kTileBytes; };
+  auto key_tile = [&](int slot) { return base + C::kQueryBytes + slot * 2 * C::kTileBytes; };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // A block takes work item blockIdx.x and, with kItems = 2, item 2 * blocks - 1 - blockIdx.x
-  // where it exists: the launch then fits in one wave, the longest items paired with the
-  // shortest. The key tiles of both run through one ring, numbered on from the first item's.
-  const int block = static_cast<int>(blockIdx.x);
-  const int second = 2 * a.blocks - 1 - block;
-  const int items = C::kItems == 2 && second < a.query_tiles * a.heads ? 2 : 1;
-  const WgItem item0 = wg_item<C>(a, block);
-  const WgItem item1 = items == 2 ? wg_item<C>(a, second) : WgItem{};
-  auto item = [&](int j) { return j == 0 ? item0 : item1; };  // registers, not an array
-  const int all_key_tiles = item0.key_tiles + (items == 2 ? item1.key_tiles : 0);
+  // Longest first: the block index runs over (query tile from the last, sequence and head).
+  const int tile = a.query_tiles - 1 - static_cast<int>(blockIdx.x / a.heads);
+  const int bh = static_cast<int>(blockIdx.x % a.heads);
+  const int b = bh / a.hq, h = bh % a.hq, kvh = h / a.group;
+  const int m0 = tile * C::kBlockM;
+  const int pad = a.padding ? min(max(a.padding[b * a.padding_stride], 0), a.t) : a.padding_all;
+  const int key_end = min(a.t, m0 + C::kBlockM);
+  const int key_tiles = key_end > pad ? (key_end - pad + kBlockN - 1) / kBlockN : 0;
 
-  if (all_key_tiles > 0) {
+  if (key_tiles > 0) {
     if (threadIdx.x == 0) {
-      for (int j = 0; j < C::kItems; ++j) mbarrier_init(full_q + j, 1);
+      mbarrier_init(full_q, 1);
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(full_k + s, 1);
         mbarrier_init(full_v + s, 1);
@@ -761,37 +730,28 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
 
   if (warp == C::kProducerWarp) {
-    if (all_key_tiles > 0 && lane == 0) {
+    if (key_tiles > 0 && lane == 0) {
       prefetch_tensor_map(&q_map);
       prefetch_tensor_map(&k_map);
       prefetch_tensor_map(&v_map);
-      for (int j = 0; j < items; ++j) {
-        const WgItem w = item(j);
-        if (w.key_tiles == 0) continue;
-        mbarrier_arrive_expect_bytes(full_q + j, C::kQueryBytes);
-        for (int cb = 0; cb < kColumnBlocks; ++cb) {
-          tensor_copy_4d_to_shared(query_tile(j) + cb * C::kBlockM * 128, &q_map, cb * 64, w.m0,
-                                   w.h, w.b, full_q + j);
-        }
+      mbarrier_arrive_expect_bytes(full_q, C::kQueryBytes);
+      for (int cb = 0; cb < kColumnBlocks; ++cb) {
+        tensor_copy_4d_to_shared(base + cb * C::kBlockM * 128, &q_map, cb * 64, m0, h, b, full_q);
       }
-      int issued = 0;  // tiles through the ring so far
-      for (int j = 0; j < items; ++j) {
-        const WgItem w = item(j);
-        for (int i = 0; i < w.key_tiles; ++i, ++issued) {
-          const int slot = issued % kStages;
-          if (issued >= kStages) mbarrier_wait(empty + slot, ((issued / kStages) - 1) & 1);
-          const int j0 = w.pad + i * kBlockN;
-          unsigned char* const kt = key_tile(slot);
-          mbarrier_arrive_expect_bytes(full_k + slot, C::kTileBytes);
-          for (int cb = 0; cb < kColumnBlocks; ++cb) {
-            tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, w.kvh, w.b,
-                                     full_k + slot);
-          }
-          mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
-          for (int cb = 0; cb < kColumnBlocks; ++cb) {
-            tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0,
-                                     w.kvh, w.b, full_v + slot);
-          }
+      for (int i = 0; i < key_tiles; ++i) {
+        const int slot = i % kStages;
+        if (i >= kStages) mbarrier_wait(empty + slot, ((i / kStages) - 1) & 1);
+        const int j0 = pad + i * kBlockN;
+        unsigned char* const kt = key_tile(slot);
+        mbarrier_arrive_expect_bytes(full_k + slot, C::kTileBytes);
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
+          tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, kvh, b,
+                                   full_k + slot);
+        }
+        mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
+          tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0,
+                                   kvh, b, full_v + slot);
         }
       }
     }
@@ -800,145 +760,135 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 
   const int wg = warp / 4, wg_warp = warp % 4, wg_tid = threadIdx.x % 128;
   const int g = lane >> 2, t4 = lane & 3;
-  int ring = 0;  // the ring's count of tiles before this item's
-  for (int j = 0; j < items; ++j) {
-    const WgItem w = item(j);
-    const int wg_row0 = w.m0 + (C::kSplitKeys ? 0 : 64 * wg);  // the warpgroup's first query row
-    const int warp_row0 = wg_row0 + 16 * wg_warp;
+  const int wg_row0 = m0 + (C::kSplitKeys ? 0 : 64 * wg);  // the warpgroup's first query row
+  const int warp_row0 = wg_row0 + 16 * wg_warp;
 
-    float o[kD / 2] = {};  // columns 8 n + 2 t4 + (e & 1) of rows g + 8 (e >> 1): o[4 n + e]
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // m in log2 units
+  float o[kD / 2] = {};  // columns 8 n + 2 t4 + (e & 1) of rows g + 8 (e >> 1): o[4 n + e]
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // m in log2 units
 
-    if (w.key_tiles > 0) {
-      const std::uint64_t q_desc =
-          swizzled_descriptor(query_tile(j) + (C::kSplitKeys ? 0 : wg * 64 * 128));
-      mbarrier_wait(full_q + j, 0);
-      // Split keys: warpgroup wg takes the tiles whose number in the ring is wg modulo
-      // kConsumers, so that it always meets the same slots.
-      const int step = C::kSplitKeys ? C::kConsumers : 1;
-      const int first = C::kSplitKeys ? ((wg - ring) % step + step) % step : 0;
-      for (int i = first; i < w.key_tiles; i += step) {
-        const int slot = (ring + i) % kStages;
-        const std::uint32_t phase = ((ring + i) / kStages) & 1;
-        const int j0 = w.pad + i * kBlockN;
-        unsigned char* const kt = key_tile(slot);
-        mbarrier_wait(full_k + slot, phase);
-        if (j0 <= wg_row0 + 63) {  // else the tile lies wholly after this warpgroup's rows
-          float s[kBlockN / 2] = {};
-          const std::uint64_t k_desc = swizzled_descriptor(kt);
-          wgmma_fence();
+  if (key_tiles > 0) {
+    const std::uint64_t q_desc =
+        swizzled_descriptor(base + (C::kSplitKeys ? 0 : wg * 64 * 128));
+    mbarrier_wait(full_q, 0);
+    const int first = C::kSplitKeys ? wg : 0, step = C::kSplitKeys ? C::kConsumers : 1;
+    for (int i = first; i < key_tiles; i += step) {
+      const int slot = i % kStages;
+      const std::uint32_t phase = (i / kStages) & 1;
+      const int j0 = pad + i * kBlockN;
+      unsigned char* const kt = key_tile(slot);
+      mbarrier_wait(full_k + slot, phase);
+      if (j0 <= wg_row0 + 63) {  // else the tile lies wholly after this warpgroup's rows
+        float s[kBlockN / 2] = {};
+        const std::uint64_t k_desc = swizzled_descriptor(kt);
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk) {
-            const int cb = kk / 4, within = (kk % 4) * 32;
-            wgmma_ss<T, kBlockN>(s, advance_descriptor(q_desc, cb * C::kBlockM * 128 + within),
-                                 advance_descriptor(k_desc, cb * kBlockN * 128 + within), kk > 0);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-          wgmma_fence_operands(s);
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          const int cb = kk / 4, within = (kk % 4) * 32;
+          wgmma_ss<T, kBlockN>(s, advance_descriptor(q_desc, cb * C::kBlockM * 128 + within),
+                               advance_descriptor(k_desc, cb * kBlockN * 128 + within), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s);
 
-          // Keys after a row's diagonal (the rows past the keys' range among them) get no
-          // weight.
-          if (j0 + kBlockN - 1 > warp_row0) {
+        // Keys after a row's diagonal (the rows past the keys' range among them) get no weight.
+        if (j0 + kBlockN - 1 > warp_row0) {
 #pragma unroll
-            for (int n = 0; n < kBlockN / 8; ++n) {
+          for (int n = 0; n < kBlockN / 8; ++n) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int key = j0 + n * 8 + 2 * t4 + (e & 1);
-                const int row = warp_row0 + g + (e >> 1) * 8;
-                if (key > row) s[4 * n + e] = -INFINITY;
-              }
+            for (int e = 0; e < 4; ++e) {
+              const int key = j0 + n * 8 + 2 * t4 + (e & 1);
+              const int row = warp_row0 + g + (e >> 1) * 8;
+              if (key > row) s[4 * n + e] = -INFINITY;
             }
           }
-
-          // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3).
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float alpha = softmax_row<kBlockN / 8, 4>(
-                [&](int n, int e) -> float& { return s[4 * n + 2 * r + e]; }, a.scale_log2,
-                m_run[r], l_run[r]);
-#pragma unroll
-            for (int n = 0; n < kD / 8; ++n) {
-              o[4 * n + 2 * r] *= alpha;
-              o[4 * n + 2 * r + 1] *= alpha;
-            }
-          }
-
-          // P as the A fragments of the k16 steps over the tile's keys.
-          std::uint32_t p[kBlockN / 16][4];
-#pragma unroll
-          for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            p[kk][0] = HalfMma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
-            p[kk][1] = HalfMma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
-            p[kk][2] = HalfMma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
-            p[kk][3] = HalfMma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
-          }
-          mbarrier_wait(full_v + slot, phase);
-          const std::uint64_t v_desc = mn_major_descriptor(kt + C::kTileBytes, kBlockN * 128);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-          wgmma_fence_operands(o);
-          wgmma_fence_operands(p);
-        } else {
-          mbarrier_wait(full_v + slot, phase);
         }
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(empty + slot);
-      }
-    }
-    ring += w.key_tiles;
 
-    if constexpr (C::kSplitKeys) {
-      // Warpgroups 1, 2, ... hand their states to warpgroup 0 through the merge buffer, and
-      // warpgroup 0 merges them in that order (and reads them all before the next item's
-      // hand-over, which waits for it at the first barrier).
-      constexpr int kLanes = 128;
-      float* const merge = reinterpret_cast<float*>(base + C::kMergeOffset) + wg_tid;
-      named_barrier_sync(1, 128 * C::kConsumers);
-      if (wg > 0) {
-        float* mine = merge + (wg - 1) * kLanes * C::kMergeFloats;
-        int x = 0;
+        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          mine[kLanes * x++] = m_run[r];
-          mine[kLanes * x++] = l_run[r];
-        }
+          const float alpha = softmax_row<kBlockN / 8, 4>(
+              [&](int n, int e) -> float& { return s[4 * n + 2 * r + e]; }, a.scale_log2,
+              m_run[r], l_run[r]);
 #pragma unroll
-        for (int e = 0; e < kD / 2; ++e) mine[kLanes * x++] = o[e];
-      }
-      named_barrier_sync(1, 128 * C::kConsumers);
-      if (wg > 0) continue;
-      for (int other = 1; other < C::kConsumers; ++other) {
-        const float* theirs = merge + (other - 1) * kLanes * C::kMergeFloats;
-        int x = 0;
-        float alpha[2], beta[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float m_other = theirs[kLanes * x++], l_other = theirs[kLanes * x++];
-          merge_softmax(m_run[r], l_run[r], m_other, l_other, alpha[r], beta[r]);
+          for (int n = 0; n < kD / 8; ++n) {
+            o[4 * n + 2 * r] *= alpha;
+            o[4 * n + 2 * r + 1] *= alpha;
+          }
         }
-#pragma unroll
-        for (int e = 0; e < kD / 2; ++e) {
-          o[e] = o[e] * alpha[(e >> 1) & 1] + theirs[kLanes * x++] * beta[(e >> 1) & 1];
-        }
-      }
-    }
 
-    // Rows: out = o / l; padding rows (and rows with no key) zeros and an lse of -inf.
-    T* out = static_cast<T*>(a.out) + w.b * a.out_stride[0] + w.h * a.out_stride[1];
+        // P as the A fragments of the k16 steps over the tile's keys.
+        std::uint32_t p[kBlockN / 16][4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      store_row<kD / 8>(a, out, w.b, w.h, warp_row0 + g + 8 * r, w.pad, t4, l_run[r], m_run[r],
-                        [&](int n, float (&x)[2]) {
-                          x[0] = o[4 * n + 2 * r];
-                          x[1] = o[4 * n + 2 * r + 1];
-                        });
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          p[kk][0] = HalfMma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+          p[kk][1] = HalfMma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+          p[kk][2] = HalfMma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+          p[kk][3] = HalfMma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        mbarrier_wait(full_v + slot, phase);
+        const std::uint64_t v_desc = mn_major_descriptor(kt + C::kTileBytes, kBlockN * 128);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o);
+        wgmma_fence_operands(p);
+      } else {
+        mbarrier_wait(full_v + slot, phase);
+      }
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(empty + slot);
     }
+  }
+
+  if constexpr (C::kSplitKeys) {
+    // Warpgroups 1, 2, ... hand their states to warpgroup 0 through the (now idle) key slots,
+    // and warpgroup 0 merges them in that order.
+    constexpr int kLanes = 128;
+    float* const merge = reinterpret_cast<float*>(key_tile(0)) + wg_tid;
+    named_barrier_sync(1, 128 * C::kConsumers);
+    if (wg > 0) {
+      float* mine = merge + (wg - 1) * kLanes * C::kMergeFloats;
+      int x = 0;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mine[kLanes * x++] = m_run[r];
+        mine[kLanes * x++] = l_run[r];
+      }
+#pragma unroll
+      for (int e = 0; e < kD / 2; ++e) mine[kLanes * x++] = o[e];
+    }
+    named_barrier_sync(1, 128 * C::kConsumers);
+    if (wg > 0) return;
+    for (int other = 1; other < C::kConsumers; ++other) {
+      const float* theirs = merge + (other - 1) * kLanes * C::kMergeFloats;
+      int x = 0;
+      float alpha[2], beta[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float m_other = theirs[kLanes * x++], l_other = theirs[kLanes * x++];
+        merge_softmax(m_run[r], l_run[r], m_other, l_other, alpha[r], beta[r]);
+      }
+#pragma unroll
+      for (int e = 0; e < kD / 2; ++e) {
+        o[e] = o[e] * alpha[(e >> 1) & 1] + theirs[kLanes * x++] * beta[(e >> 1) & 1];
+      }
+    }
+  }
+
+  // Rows: out = o / l; padding rows (and rows with no key) zeros and an lse of -inf.
+  T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    store_row<kD / 8>(a, out, b, h, warp_row0 + g + 8 * r, pad, t4, l_run[r], m_run[r],
+                      [&](int n, float (&x)[2]) {
+                        x[0] = o[4 * n + 2 * r];
+                        x[1] = o[4 * n + 2 * r + 1];
+                      });
   }
 #else
   __trap();
@@ -1041,15 +991,10 @@ void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
     return concat(kOp, ": the warpgroup kernel for D = ", a.d);
   });
   a.query_tiles = (a.t + C::kBlockM - 1) / C::kBlockM;
-  const std::int64_t tiles = static_cast<std::int64_t>(a.query_tiles) * a.heads;
-  FUSEKIT_CHECK(tiles <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
-                C::kBlockM, ") = ", tiles, " query tiles, more than one launch takes (",
+  const std::int64_t blocks = static_cast<std::int64_t>(a.query_tiles) * a.heads;
+  FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
+                C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
                 std::numeric_limits<int>::max(), ")");
-  // Two tiles a block where that keeps every multiprocessor busy and saves a second wave.
-  const std::int64_t blocks =
-      C::kItems == 2 ? std::max((tiles + 1) / 2, std::min<std::int64_t>(tiles, multiprocessor_count(device)))
-                     : tiles;
-  a.blocks = static_cast<int>(blocks);
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(a, maps.q, maps.k,
                                                                                   maps.v);
   FUSEKIT_CUDA_CHECK_LAUNCH("wg_attention_kernel");
