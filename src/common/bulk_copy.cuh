@@ -135,6 +135,19 @@ __device__ __forceinline__ void tensor_copy_4d_to_shared(void* dst, const CUtens
       : "memory");
 }
 
+/// tensor_copy_4d_to_shared with an L2 cache policy for the lines it reads.
+__device__ __forceinline__ void tensor_copy_4d_to_shared(void* dst, const CUtensorMap* map, int c0,
+                                                         int c1, int c2, int c3,
+                                                         std::uint64_t* bar,
+                                                         std::uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(shared_address(bar)), "l"(policy)
+      : "memory");
+}
+
 /// Copies shared `src`, laid out and swizzled as `map` says, to the box of `map` at (`c0`, `c1`,
 /// `c2`, `c3`) in global memory; parts of the box outside the tensor are not written. The copy
 /// joins the issuing thread's open bulk group (see bulk_commit).

@@ -34,13 +34,14 @@ __host__ __device__ constexpr std::uint32_t swizzled_offset(int row, int k) {
          static_cast<std::uint32_t>(k % 8) * 2;
 }
 
-/// Descriptor of a 128-byte-swizzled K-major operand starting at `smem` (8-row atoms 1024 bytes
-/// apart).
-__device__ __forceinline__ std::uint64_t swizzled_descriptor(const void* smem) {
+/// Descriptor of a 128-byte-swizzled K-major operand starting at `smem`, its 8-row atoms
+/// `atom_stride` bytes apart (1024: packed; a multiple of 1024 below 256 KiB).
+__device__ __forceinline__ std::uint64_t swizzled_descriptor(const void* smem,
+                                                             std::uint32_t atom_stride = 1024) {
   const std::uint64_t address = shared_address(smem);
   return ((address & 0x3FFFF) >> 4)   // start address
          | (std::uint64_t{1} << 16)    // leading byte offset (unused when swizzled): 16 bytes
-         | (std::uint64_t{1024 >> 4} << 32)  // stride byte offset: 8 rows of 128 bytes
+         | (std::uint64_t{(atom_stride >> 4) & 0x3FFF} << 32)  // stride byte offset
          | (std::uint64_t{1} << 62);   // 128-byte swizzle
 }
 

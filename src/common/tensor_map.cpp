@@ -91,11 +91,12 @@ CUtensorMap make_tensor_map_rows(const char* what, DType dtype, const void* base
 
 std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, const void* base,
                                               const std::int64_t (&dims)[4],
-                                              const std::int64_t (&strides)[3], int box_rows) {
+                                              const std::int64_t (&strides)[3], int box_rows,
+                                              int box_depth) {
   FUSEKIT_CHECK(dtype == DType::Float16 || dtype == DType::BFloat16, what,
                 ": a swizzled tensor map of 16-bit elements was asked for ", to_string(dtype));
-  FUSEKIT_CHECK(box_rows >= 1 && box_rows <= 256, what, ": a box of ", box_rows,
-                " rows (at most 256)");
+  FUSEKIT_CHECK(box_rows >= 1 && box_rows <= 256 && box_depth >= 1 && box_depth <= 256, what,
+                ": a box of ", box_rows, " rows by ", box_depth, " (at most 256 each)");
   const auto size = static_cast<std::int64_t>(element_size(dtype));
   if (reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return std::nullopt;
   for (int i = 0; i < 4; ++i) {
@@ -109,7 +110,8 @@ std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, con
   }
   const cuuint64_t d[4] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
                            static_cast<cuuint64_t>(dims[2]), static_cast<cuuint64_t>(dims[3])};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows),
+                             static_cast<cuuint32_t>(box_depth), 1};
   CUtensorMap map{};
   if (try_encode(map, what, dtype, base, 4, d, s, box, CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS) {
     return std::nullopt;

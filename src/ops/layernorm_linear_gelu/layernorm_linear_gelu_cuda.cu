@@ -493,16 +493,18 @@ void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64
 // weight rows (output columns) as the MMA's M side, 64 for each of two warpgroups, and kBM
 // normalised rows (16 to 128) as its N side, so that a few rows (decoding) cost no wasted tensor
 // work and many rows make wide tiles. A producer warp streams both operands through the copy
-// engine in steps of 64 k (boxes of the two tensor maps, 128-byte swizzled as the MMAs read them)
-// into kStages slots, each completing on a "full" mbarrier; a warpgroup waits for a step, issues
-// four m64nkBMk16 MMAs from shared memory, and once they are done hands the step's slot back on
-// its "empty" mbarrier. Launched as a dependent of the LayerNorm kernel, the producer sends the
-// first slots' weight boxes before the normalised rows exist and their row boxes after. The
-// epilogue adds the bias and applies GELU in float32, and writes out through shared memory in
-// 16-byte pieces of output rows.
+// engine in steps of 64 or 128 k (boxes of the two tensor maps, 128-byte swizzled as the MMAs
+// read them) into kStages slots, each completing on a "full" mbarrier; a warpgroup waits for a
+// step, issues its m64nkBMk16 MMAs from shared memory, and once they are done hands the step's
+// slot back on its "empty" mbarrier. Where K is a multiple of 64 the weight comes in boxes of 8
+// rows by 256 bytes (see WgProduct): the weight is read once and its rate is the call's, and
+// each box then asks memory for a few contiguous runs rather than 128-byte pieces of 128 rows.
+// Launched as a dependent of the LayerNorm kernel, the producer sends the first slots' weight
+// boxes before the normalised rows exist and their row boxes after. The epilogue adds the bias
+// and applies GELU in float32, and writes out through shared memory in 16-byte pieces of output
+// rows.
 
 constexpr int kWgRowsW = 128;   // weight rows (output columns) a block
-constexpr int kWgStepK = 64;    // k a step: one 128-byte swizzled row per operand row
 constexpr int kWgThreads = 288; // two consumer warpgroups, then the producer warp
 // Up to this many rows the warpgroup product runs where it fits; above, cuBLASLt's, which was as
 // fast or faster from 512 rows on (H100, float16, K 1024, Nout 4096: 18.3 against 19.0 us at 512
@@ -510,10 +512,17 @@ constexpr int kWgThreads = 288; // two consumer warpgroups, then the producer wa
 // rows, K 4096, Nout 16384: 61.8 and 63.1 us against the few-rows kernel's 62.6 and 69.3).
 constexpr std::int64_t kWgMaxRows = 64;
 
-template <int kBM>
+// kChunks = 0: a step is 64 k, its weight one box of 128 rows by 128 bytes. kChunks >= 1: a step
+// is kChunks * 64 k, its weight 16 boxes of 8 rows by kChunks * 128 bytes (each box's rows
+// contiguous runs of memory), which land as [chunk][8 rows][128 bytes], so that the 8-row atoms
+// of one chunk are kChunks * 1024 bytes apart.
+template <int kBM, int kChunks = 0>
 struct WgProduct {
-  static constexpr std::size_t kTileW = std::size_t{kWgRowsW} * kWgStepK * 2;  // bytes of a step
-  static constexpr std::size_t kTileX = std::size_t{kBM} * kWgStepK * 2;       // of each operand
+  static constexpr int kStepChunks = kChunks == 0 ? 1 : kChunks;  // 64 k each
+  static constexpr int kStepK = 64 * kStepChunks;
+  static constexpr std::uint32_t kAtomStride = 1024 * kStepChunks;  // between 8-row atoms
+  static constexpr std::size_t kTileW = std::size_t{kWgRowsW} * kStepK * 2;  // bytes of a step
+  static constexpr std::size_t kTileX = std::size_t{kBM} * kStepK * 2;       // of each operand
   static constexpr std::size_t kStageBytes = kTileW + kTileX;
   static constexpr std::size_t kMaxShared = 227 * 1024;  // a block's opt-in limit on sm_90
   static constexpr int kStages =
@@ -525,21 +534,22 @@ struct WgProduct {
   // The epilogue stages a warpgroup's kBM x 64 pre-activations in float32 in the slots, rows
   // padded by 4 floats against bank conflicts.
   static constexpr int kOutPitch = 64 + 4;
-  static_assert(kStages >= 4 && kSharedBytes <= kMaxShared && kStageBytes % 1024 == 0 &&
+  static_assert(kStages >= 2 && kSharedBytes <= kMaxShared && kStageBytes % 1024 == 0 &&
                 std::size_t{2} * kBM * kOutPitch * sizeof(float) <= kStages * kStageBytes);
 };
 
 // The two consumer warpgroups of wg_product_gelu: the MMAs of every step, then the epilogue
 // (instantiated only where the kernel's body is compiled, for sm_90a).
-template <typename T, int kBM>
+template <typename T, int kBM, int kChunks>
 __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slots, std::uint64_t* full,
                                        std::uint64_t* empty, std::int64_t n0, std::int64_t m0,
                                        int steps) {
-  using C = WgProduct<kBM>;
+  using C = WgProduct<kBM, kChunks>;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // A consumer warpgroup: weight rows 64 wg .. 64 wg + 63 of the block's.
   const int wg = warp / 4;
-  const std::uint64_t desc_w = swizzled_descriptor(slots + wg * 64 * 128);
+  const std::uint64_t desc_w =
+      swizzled_descriptor(slots + wg * 8 * C::kAtomStride, C::kAtomStride);
   const std::uint64_t desc_x = swizzled_descriptor(slots + C::kTileW);
   float acc[kBM / 2] = {};
   for (int step = 0; step < steps; ++step) {
@@ -548,9 +558,13 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
     wgmma_fence();
     const auto offset = static_cast<std::uint32_t>(slot * C::kStageBytes);
 #pragma unroll
-    for (int k16 = 0; k16 < kWgStepK / 16; ++k16) {
-      wgmma_ss<T, kBM>(acc, advance_descriptor(desc_w, offset + k16 * 32),
-                       advance_descriptor(desc_x, offset + k16 * 32), step > 0 || k16 > 0);
+    for (int c = 0; c < C::kStepChunks; ++c) {
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+        wgmma_ss<T, kBM>(acc, advance_descriptor(desc_w, offset + c * 1024 + k16 * 32),
+                         advance_descriptor(desc_x, offset + c * kBM * 128 + k16 * 32),
+                         step > 0 || c > 0 || k16 > 0);
+      }
     }
     wgmma_commit();
     wgmma_wait<1>();  // the previous step's MMAs are done: its slot is free
@@ -603,12 +617,12 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
   }
 }
 
-template <typename T, int kBM>
+template <typename T, int kBM, int kChunks>
 __global__ void __launch_bounds__(kWgThreads, 1)
     wg_product_gelu(const __grid_constant__ CUtensorMap w_map,
                     const __grid_constant__ CUtensorMap x_map, const ProductArgs a) {
 #ifdef FUSEKIT_WGMMA
-  using C = WgProduct<kBM>;
+  using C = WgProduct<kBM, kChunks>;
   extern __shared__ unsigned char shared_raw[];
   unsigned char* const slots = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
@@ -617,7 +631,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * kWgRowsW;
   const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.y) * kBM;
-  const int steps = static_cast<int>((a.k + kWgStepK - 1) / kWgStepK);
+  const int steps = static_cast<int>((a.k + C::kStepK - 1) / C::kStepK);
 
   if (threadIdx.x == 256) {
     for (int s = 0; s < C::kStages; ++s) {
@@ -629,7 +643,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   __syncthreads();
 
   if (warp < 8) {
-    consume<T, kBM>(a, slots, full, empty, n0, m0, steps);
+    consume<T, kBM, kChunks>(a, slots, full, empty, n0, m0, steps);
   } else if (lane == 0) {  // the producer
     prefetch_tensor_map(&w_map);
     prefetch_tensor_map(&x_map);
@@ -641,13 +655,24 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const std::uint64_t streamed =
         gridDim.y == 1 ? l2_evict_first_policy() : l2_evict_normal_policy();
     const auto load_w = [&](int step) {
-      tensor_copy_2d_to_shared(slots + (step % C::kStages) * C::kStageBytes, &w_map,
-                               step * kWgStepK, static_cast<int>(n0), &full[step % C::kStages],
-                               streamed);
+      unsigned char* const dst = slots + (step % C::kStages) * C::kStageBytes;
+      if constexpr (kChunks == 0) {
+        tensor_copy_2d_to_shared(dst, &w_map, step * C::kStepK, static_cast<int>(n0),
+                                 &full[step % C::kStages], streamed);
+      } else {
+        for (int g = 0; g < kWgRowsW / 8; ++g) {
+          tensor_copy_4d_to_shared(dst + g * C::kAtomStride, &w_map, 0,
+                                   static_cast<int>(n0) + 8 * g, step * kChunks, 0,
+                                   &full[step % C::kStages], streamed);
+        }
+      }
     };
     const auto load_x = [&](int step) {
-      tensor_copy_2d_to_shared(slots + (step % C::kStages) * C::kStageBytes + C::kTileW, &x_map,
-                               step * kWgStepK, static_cast<int>(m0), &full[step % C::kStages]);
+      unsigned char* const dst = slots + (step % C::kStages) * C::kStageBytes + C::kTileW;
+      for (int c = 0; c < C::kStepChunks; ++c) {
+        tensor_copy_2d_to_shared(dst + c * kBM * 128, &x_map, step * C::kStepK + 64 * c,
+                                 static_cast<int>(m0), &full[step % C::kStages]);
+      }
     };
     const int first = steps < C::kStages ? steps : C::kStages;
     for (int step = 0; step < first; ++step) {
@@ -676,16 +701,26 @@ bool wg_product_fits(const LayerNormLinearGeluParams& p, int device) {
          p.nout <= std::numeric_limits<int>::max() && ceil_div(p.m, std::int64_t{128}) <= 65535;
 }
 
-template <typename T, int kBM>
+template <typename T, int kBM, int kChunks>
 void launch_wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn,
                        int device, cudaStream_t stream) {
-  using C = WgProduct<kBM>;
-  const auto kernel = wg_product_gelu<T, kBM>;
+  using C = WgProduct<kBM, kChunks>;
+  const auto kernel = wg_product_gelu<T, kBM, kChunks>;
   static std::atomic<bool> allowed[kMaxDevices];
   allow_shared_memory(kernel, C::kSharedBytes, device, allowed, true,
                       [] { return concat(kOp, ": the warpgroup product of ", kBM, " rows a block"); });
-  const CUtensorMap w_map =
-      make_tensor_map_2d(kOp, p.dtype, p.weight, p.nout, p.k, p.w_stride_n, kWgRowsW);
+  CUtensorMap w_map;
+  if constexpr (kChunks == 0) {
+    w_map = make_tensor_map_2d(kOp, p.dtype, p.weight, p.nout, p.k, p.w_stride_n, kWgRowsW);
+  } else {
+    // The weight as [K / 64][Nout][64]: 64-element chunks of a row, rows, chunks (K a multiple of
+    // 64, so that no chunk runs into the next row).
+    const std::int64_t dims[4] = {64, p.nout, p.k / 64, 1};
+    const std::int64_t strides[3] = {p.w_stride_n, 64, p.k};
+    const auto map = make_tensor_map_4d(kOp, p.dtype, p.weight, dims, strides, 8, kChunks);
+    FUSEKIT_CHECK(map.has_value(), kOp, ": the weight's tensor map was refused");
+    w_map = *map;
+  }
   const CUtensorMap x_map = make_tensor_map_2d(kOp, p.dtype, xn, p.m, p.k, ld_xn, kBM);
   launch_dependent(kernel,
                    dim3(static_cast<unsigned>(ceil_div(p.nout, std::int64_t{kWgRowsW})),
@@ -694,18 +729,31 @@ void launch_wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int
                    product_args(p, xn, ld_xn));
 }
 
+// Weight boxes of 8 rows by 256 bytes where K is a multiple of 64 (decoding, M 16 K 4096 Nout
+// 16384, float16, H100: 57.3 against 60.0 us for boxes of 128 rows by 128 bytes; 8 rows by 128
+// bytes 58.5, by 512 bytes 58.2), else the single box.
+template <typename T, int kBM>
+void launch_wg_product_for_k(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn,
+                             int device, cudaStream_t stream) {
+  if (p.k % 64 == 0) {
+    launch_wg_product<T, kBM, 2>(p, xn, ld_xn, device, stream);
+  } else {
+    launch_wg_product<T, kBM, 0>(p, xn, ld_xn, device, stream);
+  }
+}
+
 // The narrowest tile of rows that holds M.
 template <typename T>
 void wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn, int device,
                 cudaStream_t stream) {
   if (p.m <= 16) {
-    launch_wg_product<T, 16>(p, xn, ld_xn, device, stream);
+    launch_wg_product_for_k<T, 16>(p, xn, ld_xn, device, stream);
   } else if (p.m <= 32) {
-    launch_wg_product<T, 32>(p, xn, ld_xn, device, stream);
+    launch_wg_product_for_k<T, 32>(p, xn, ld_xn, device, stream);
   } else if (p.m <= 64) {
-    launch_wg_product<T, 64>(p, xn, ld_xn, device, stream);
+    launch_wg_product_for_k<T, 64>(p, xn, ld_xn, device, stream);
   } else {
-    launch_wg_product<T, 128>(p, xn, ld_xn, device, stream);
+    launch_wg_product_for_k<T, 128>(p, xn, ld_xn, device, stream);
   }
 }
 
