@@ -135,9 +135,9 @@ const LolaCase kProductCases[] = {
     {{129}, 136, 257, false, true, GeluApproximation::None},
     {{300}, 1024, 130, true, false, GeluApproximation::Tanh, 100.0, 1.0},
     {{1000}, 1000, 1000},
-    // K a multiple of 64 (the warpgroup product's weight in boxes of 8 rows by two 64-element
-    // chunks): an odd number of chunks (the last step's second chunk outside the weight), rows
-    // and columns past a tile.
+    // K a multiple of 64 and at most 64 rows (the warpgroup product's weight in boxes of 8 rows
+    // by two 64-element chunks): an odd number of chunks (the last step's second chunk outside
+    // the weight), rows and columns past a tile.
     {{5}, 192, 300},
     {{40}, 320, 130, true, true, GeluApproximation::None},
 };

@@ -496,9 +496,10 @@ void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64
 // engine in steps of 64 or 128 k (boxes of the two tensor maps, 128-byte swizzled as the MMAs
 // read them) into kStages slots, each completing on a "full" mbarrier; a warpgroup waits for a
 // step, issues its m64nkBMk16 MMAs from shared memory, and once they are done hands the step's
-// slot back on its "empty" mbarrier. Where K is a multiple of 64 the weight comes in boxes of 8
-// rows by 256 bytes (see WgProduct): the weight is read once and its rate is the call's, and
-// each box then asks memory for a few contiguous runs rather than 128-byte pieces of 128 rows.
+// slot back on its "empty" mbarrier. With up to 64 rows and K a multiple of 64 the weight comes
+// in boxes of 8 rows by 256 bytes (see WgProduct): the weight is then read once and its rate is
+// the call's, and each box asks memory for a few contiguous runs rather than 128-byte pieces of
+// 128 rows.
 // Launched as a dependent of the LayerNorm kernel, the producer sends the first slots' weight
 // boxes before the normalised rows exist and their row boxes after. The epilogue adds the bias
 // and applies GELU in float32, and writes out through shared memory in 16-byte pieces of output
@@ -729,17 +730,18 @@ void launch_wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int
                    product_args(p, xn, ld_xn));
 }
 
-// Weight boxes of 8 rows by 256 bytes where K is a multiple of 64 (decoding, M 16 K 4096 Nout
-// 16384, float16, H100: 57.3 against 60.0 us for boxes of 128 rows by 128 bytes; 8 rows by 128
-// bytes 58.5, by 512 bytes 58.2), else the single box.
+// Weight boxes of 8 rows by 256 bytes where K is a multiple of 64 and the weight is streamed
+// (float16, H100, K 4096 Nout 16384: M 16 57.3 against 60.0 us for boxes of 128 rows by 128
+// bytes, 8 rows by 128 bytes 58.5, by 512 bytes 58.2; M 64 60.0 against 63.1), else the single
+// box. Not at 128 rows a block, which only a caller naming this product gets: there its steps
+// of 128 k leave three slots, and M 512 K 1024 Nout 4096 took 22.8 against 21.9 us.
 template <typename T, int kBM>
 void launch_wg_product_for_k(const LayerNormLinearGeluParams& p, const T* xn, std::int64_t ld_xn,
                              int device, cudaStream_t stream) {
-  if (p.k % 64 == 0) {
-    launch_wg_product<T, kBM, 2>(p, xn, ld_xn, device, stream);
-  } else {
-    launch_wg_product<T, kBM, 0>(p, xn, ld_xn, device, stream);
+  if constexpr (kBM <= 64) {
+    if (p.k % 64 == 0) return launch_wg_product<T, kBM, 2>(p, xn, ld_xn, device, stream);
   }
+  launch_wg_product<T, kBM, 0>(p, xn, ld_xn, device, stream);
 }
 
 // The narrowest tile of rows that holds M.
