@@ -31,10 +31,10 @@ CUtensorMap make_tensor_map_rows(const char* what, DType dtype, const void* base
 /// The map of a 4-D tensor of float16 or bfloat16 with `dims` given innermost first (the first
 /// contiguous) and `strides` (in elements) of the other three, read in boxes of 64 elements
 /// (128 bytes, swizzled by 128 bytes) by `box_rows` of the second axis by `box_depth` of the third
-/// by 1 (landing in that order, innermost first); parts of a box
-/// outside the tensor read as zeros, and are not written when a box is stored. Empty when the tensor does not fit a map: a base not 16-byte
-/// aligned, strides that are not positive multiples of 16 bytes below 2^40 bytes, or a layout
-/// the driver refuses.
+/// by 1 (landing in that order, innermost first); parts of a box outside the tensor read as
+/// zeros, and are not written when a box is stored. Empty when the tensor does not fit a map: a
+/// base not 16-byte aligned, strides that are not positive multiples of 16 bytes below 2^40
+/// bytes, or a layout the driver refuses.
 std::optional<CUtensorMap> make_tensor_map_4d(const char* what, DType dtype, const void* base,
                                const std::int64_t (&dims)[4], const std::int64_t (&strides)[3],
                                int box_rows, int box_depth = 1);

@@ -173,8 +173,9 @@ void check_cuda_all(const CheriCase& k, std::mt19937_64& rng, const CheriLayouts
 
 // C = 1 and 3 (scalar path), L = 1, d = L and d > L; C of 48 and 80 (vector plane passes, general
 // inference path); C of 64 and 128 (fused inference: a partial last tile, tiles across example
-// boundaries, E = 1 and 2, many examples with d above the x slots' halo); C = 256 and E = 3 at C = 128 (too big for the fused kernel's shared memory:
-// the general path); the largest dilations.
+// boundaries, E = 1 and 2, many examples with d above the x slots' halo); C = 256 and E = 3 at
+// C = 128 (too big for the fused kernel's shared memory: the general path); the largest
+// dilations.
 const CheriCase kCases[] = {
     {2, 6, 1, 2, 1},     {3, 1, 3, 2, 4},     {2, 7, 3, 2, 7},     {2, 9, 48, 2, 16},
     {3, 33, 80, 2, 2},   {2, 70, 128, 2, 4},  {3, 45, 64, 2, 64},  {1, 300, 128, 2, 256},

@@ -1296,9 +1296,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The block on warp-specialised warpgroup MMAs (sm_90a), for E = 2 (see ws_fits): a producer
-// warpgroup and two consumer warpgroups, with registers
-// moved from the first to the others. The block takes the tiles blockIdx.x + i gridDim.x (64 rows
-// of (n, l) each), in order.
+// warpgroup and two consumer warpgroups, with registers moved from the first to the others. The
+// block takes the tiles blockIdx.x + i gridDim.x (64 rows of (n, l) each), in order.
 //   - Producer: bulk copies bring x of tile i, a part at a time (the whole tile, or a half for
 //     float32 x) with kWsHalo rows on each side (one copy when the rows are one range of memory,
 //     else one a row), into a ring of kXStages x slots; its 128 threads turn the tile into

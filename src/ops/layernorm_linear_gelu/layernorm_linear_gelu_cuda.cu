@@ -499,11 +499,10 @@ void few_rows_matmul(const LayerNormLinearGeluParams& p, const T* xn, std::int64
 // slot back on its "empty" mbarrier. With up to 64 rows and K a multiple of 64 the weight comes
 // in boxes of 8 rows by 256 bytes (see WgProduct): the weight is then read once and its rate is
 // the call's, and each box asks memory for a few contiguous runs rather than 128-byte pieces of
-// 128 rows.
-// Launched as a dependent of the LayerNorm kernel, the producer sends the first slots' weight
-// boxes before the normalised rows exist and their row boxes after. The epilogue adds the bias
-// and applies GELU in float32, and writes out through shared memory in 16-byte pieces of output
-// rows.
+// 128 rows. Launched as a dependent of the LayerNorm kernel, the producer sends the first slots'
+// weight boxes before the normalised rows exist and their row boxes after. The epilogue adds the
+// bias and applies GELU in float32, and writes out through shared memory in 16-byte pieces of
+// output rows.
 
 constexpr int kWgRowsW = 128;   // weight rows (output columns) a block
 constexpr int kWgThreads = 288; // two consumer warpgroups, then the producer warp
@@ -517,7 +516,7 @@ constexpr std::int64_t kWgMaxRows = 64;
 // is kChunks * 64 k, its weight 16 boxes of 8 rows by kChunks * 128 bytes (each box's rows
 // contiguous runs of memory), which land as [chunk][8 rows][128 bytes], so that the 8-row atoms
 // of one chunk are kChunks * 1024 bytes apart.
-template <int kBM, int kChunks = 0>
+template <int kBM, int kChunks>
 struct WgProduct {
   static constexpr int kStepChunks = kChunks == 0 ? 1 : kChunks;  // 64 k each
   static constexpr int kStepK = 64 * kStepChunks;
@@ -719,7 +718,9 @@ void launch_wg_product(const LayerNormLinearGeluParams& p, const T* xn, std::int
     const std::int64_t dims[4] = {64, p.nout, p.k / 64, 1};
     const std::int64_t strides[3] = {p.w_stride_n, 64, p.k};
     const auto map = make_tensor_map_4d(kOp, p.dtype, p.weight, dims, strides, 8, kChunks);
-    FUSEKIT_CHECK(map.has_value(), kOp, ": the weight's tensor map was refused");
+    FUSEKIT_CHECK(map.has_value(), kOp, ": weight [", p.nout, ", ", p.k, "] with rows ",
+                  p.w_stride_n, " elements apart: expected a layout the copy engine maps in ",
+                  "boxes of 8 rows, the driver refused it");
     w_map = *map;
   }
   const CUtensorMap x_map = make_tensor_map_2d(kOp, p.dtype, xn, p.m, p.k, ld_xn, kBM);
