@@ -524,7 +524,8 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 // channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the epilogue applies mask
 // and gates, stages left, right and gate by transposing stmatrix as swizzled boxes of 32 channels
 // by 64 rows, and one thread of the warpgroup sends them to their planes by the copy engine
-// (threads copy them where the planes have padded rows).
+// (threads copy them where the planes have padded rows). Where the weight ring holds two chunks
+// (C up to 192) the warpgroups take turns at the MMAs, one's running under the other's epilogue.
 
 constexpr int kWgTileRows = 128;
 constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer, the x producer
@@ -650,7 +651,8 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
                                                    int tiles, unsigned char* base,
                                                    std::uint64_t* w_full, std::uint64_t* w_empty,
                                                    std::uint64_t* x_full, std::uint64_t* x_empty,
-                                                   bool planes_by_copy, const CUtensorMap& left_map,
+                                                   bool planes_by_copy, bool take_turns,
+                                                   const CUtensorMap& left_map,
                                                    const CUtensorMap& right_map,
                                                    const CUtensorMap& gate_map) {
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
@@ -675,6 +677,11 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
   }
   RingPosition w_at;          // the weight slot to read next
   RingPosition x_at{wg, 0};   // the x slot to read next: this warpgroup's are every other one
+  // Taking turns: a warpgroup issues a chunk's MMAs once the other has issued its previous
+  // chunk's (warpgroup 0 first), so that one's MMAs run under the other's epilogue instead of
+  // both multiplying, then both computing gates, in step.
+  const int my_turn = 3 + wg, their_turn = 4 - wg;
+  if (take_turns && wg == 1) named_barrier_arrive(their_turn, 256);
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const std::int64_t m0 = static_cast<std::int64_t>(tile) * kWgTileRows + 64 * wg;
     if (tid < 64) {
@@ -713,6 +720,10 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     for (int chunk = 0; chunk < a.chunks; ++chunk) {
       float acc[kWgChunkCols / 2] = {};  // (defined here, not live across the LayerNorm)
       int previous = 0;  // the slot read before this one
+      // The turn passes on after this chunk's last MMAs, except at the very last (no one takes it).
+      const bool pass_turn =
+          take_turns && !(wg == 1 && tile + gridDim.x >= tiles && chunk == a.chunks - 1);
+      if (take_turns) named_barrier_sync(my_turn, 256);
       for (int kb = 0; kb < kbs; ++kb) {
         mbarrier_wait(&w_full[w_at.slot], w_at.phase);
         wgmma_fence();
@@ -723,6 +734,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
               advance_descriptor(desc_w, w_at.slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
         }
         wgmma_commit();
+        if (pass_turn && kb == kbs - 1) named_barrier_arrive(their_turn, 256);
         wgmma_wait<1>();  // the previous slot's MMAs are done: hand it back
         if (kb > 0 && lane == 0) mbarrier_arrive(&w_empty[previous]);
         previous = w_at.slot;
@@ -799,7 +811,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                const __grid_constant__ CUtensorMap left_map,
                const __grid_constant__ CUtensorMap right_map,
                const __grid_constant__ CUtensorMap gate_map, const ProjectArgs a,
-               const WgProjectLayout l, int tiles, bool planes_by_copy) {
+               const WgProjectLayout l, int tiles, bool planes_by_copy, bool take_turns) {
 #ifdef FUSEKIT_WGMMA
   extern __shared__ __align__(16) unsigned char shared_raw[];
   // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes), by pointer
@@ -830,7 +842,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   if (warp < 8) {
     wg_project_consume<T, kQuads>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
-                                  planes_by_copy, left_map, right_map, gate_map);
+                                  planes_by_copy, take_turns, left_map, right_map, gate_map);
   } else if (warp == 8 && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
@@ -1250,10 +1262,13 @@ void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std
     }
   }
   const bool by_copy = planes[0] && planes[1] && planes[2];
+  // The warpgroups take turns at the MMAs where the weight ring holds two chunks: the one that
+  // issues a chunk's MMAs is then a chunk ahead of the other, which may still be reading its slots.
+  const bool take_turns = layout.w_stages >= 2 * (layout.cp / kWgStepK);
   const int blocks = std::min(tiles, multiprocessor_count(device));
   kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(
       w_map, x_map, by_copy ? *planes[0] : w_map, by_copy ? *planes[1] : w_map,
-      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy);
+      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy, take_turns);
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
 }
 
