@@ -213,7 +213,7 @@ std::vector<TrimulCase> projection_cases() {
   // gates (a sigmoid as 1/2 + tanh/2 lost it to cancellation on large negative inputs)
   cases.push_back({1, 1, 40, 24, kOutgoing, TrimulMask::None, TrimulDist::Cauchy});
   for (DType dtype : kDtypes) {
-    for (std::int64_t c : {128, 384, 512}) {
+    for (std::int64_t c : {128, 192, 384, 512}) {  // three warpgroups; two taking turns; two
       cases.push_back({1, 24, c, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, dtype});
       cases.push_back({2, 19, c, 96, kIncoming, TrimulMask::None, TrimulDist::Cauchy, dtype, dtype});
     }
@@ -256,7 +256,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Many tiles a block (the warpgroup kernel is persistent) against the CPU backend: with rows of C
 // = 384 its x slots hold 4 rows and each warpgroup reads 16 of them a tile (a ring that mixed the
-// two warpgroups' slots went wrong at this bench shape only, never at smaller ones).
+// two warpgroups' slots went wrong at this bench shape only, never at smaller ones); at C = 192
+// two warpgroups take turns at the MMAs, at C = 128 three do.
 class TrimulCudaProjectionsLarge : public CudaTest<> {};
 
 TEST_F(TrimulCudaProjectionsLarge, WarpgroupMatchesCpuBackend) {
@@ -267,7 +268,9 @@ TEST_F(TrimulCudaProjectionsLarge, WarpgroupMatchesCpuBackend) {
        {TrimulCase{2, 256, 384, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
         TrimulCase{1, 200, 384, 128, kIncoming, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
         TrimulCase{3, 130, 128, 128, kOutgoing, TrimulMask::Fractional, TrimulDist::Cauchy,
-                   DType::BFloat16}}) {
+                   DType::BFloat16},
+        TrimulCase{1, 200, 192, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
+        TrimulCase{2, 150, 128, 128, kIncoming, TrimulMask::None, TrimulDist::Normal, DType::Float32}}) {
     SCOPED_TRACE(trimul_case_name(c));
     const TrimulInputs in = make_trimul_inputs(c, rng_);
     expect_matches_cpu(run_cuda_projecting(in, c, ProjectKernel::Warpgroup), in, c);

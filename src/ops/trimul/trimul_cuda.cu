@@ -515,20 +515,24 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 
 // --------------------------------------------------------------------------- 2b. projections, sm_90a
 //
-// The same work on warpgroup MMAs: a persistent kernel, one block of 320 threads a multiprocessor,
-// over tiles of 128 rows. Two consumer warpgroups take 64 rows of a tile each. The x producer warp
+// The same work on warpgroup MMAs: a persistent kernel, one block a multiprocessor, of consumer
+// warpgroups (three at C <= 128, else two) and two producer warps, over tiles of 64 rows a
+// consumer warpgroup. The x producer warp
 // copies rows of x through a ring of slots (tensor-map boxes of whole rows) ahead of use; a
 // warpgroup normalises its rows from there into its A tile, float16 in the 128-byte-swizzled layout
 // the MMAs read. The weight producer warp streams the packed weights, 160 rows (the five
-// projections of 32 channels) by 64 k a slot, through a ring both warpgroups read. A chunk of 32
+// projections of 32 channels) by 64 k a slot, through a ring all warpgroups read. A chunk of 32
 // channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the epilogue applies mask
 // and gates, stages left, right and gate by transposing stmatrix as swizzled boxes of 32 channels
 // by 64 rows, and one thread of the warpgroup sends them to their planes by the copy engine
 // (threads copy them where the planes have padded rows). Where the weight ring holds two chunks
-// (C up to 192) the warpgroups take turns at the MMAs, one's running under the other's epilogue.
+// (C up to 192) the warpgroups take turns at the MMAs, one's running under the others' epilogues.
 
-constexpr int kWgTileRows = 128;
-constexpr int kWgThreads = 320;  // two consumer warpgroups, the weight producer, the x producer
+// Threads of a block with `wgs` consumer warpgroups: theirs, then the weight and the x producer
+// warps; with three, the producers' warpgroup is whole (its two other warps idle), so that it can
+// hand registers to the consumers (a multiprocessor quarter holds 16 K registers: four warps of
+// up to 128, or three consumers at 152 and a producer at 40).
+constexpr int wg_project_threads(int wgs) { return 128 * wgs + (wgs == 3 ? 128 : 64); }
 constexpr int kWgStepK = 64;     // k a weight slot: one 128-byte swizzled row per weight row
 constexpr int kWgChunkCols = kProjections * kChunkD;  // 160 weight rows a chunk
 constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
@@ -538,23 +542,25 @@ constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * 64 * 2;
 static_assert(kWgStageBytes % 1024 == 0 && kWgSlotBytes % 1024 == 0, "swizzled boxes are aligned");
 constexpr std::int64_t kWgProjectMaxC = 384;
 
-// Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the two A tiles,
-// the weight slots, the two warpgroups' epilogue stages, the x slots, the rows' masks and plane
-// offsets, the LayerNorm's weight and bias, then the barriers (full and empty for the weight
-// slots, then for the x slots).
+// Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the warpgroups'
+// A tiles, the weight slots, the warpgroups' epilogue stages, the x slots, the rows' masks and
+// plane offsets, the LayerNorm's weight and bias, then the barriers (full and empty for the
+// weight slots, then for the x slots).
 struct WgProjectLayout {
+  int wgs = 2;                     // consumer warpgroups, 64 rows of a tile each
   int cp = 0;                      // C rounded up to whole 64-k blocks
   int x_rows = 0, x_box_c = 0, x_boxes = 0;  // an x slot: x_boxes boxes of x_rows x x_box_c
   int x_stages = 0, w_stages = 0;
   std::uint32_t x_box_bytes = 0;
   __host__ __device__ std::size_t a(int wg) const { return std::size_t(wg) * 64 * cp * 2; }
-  __host__ __device__ std::size_t w(int slot) const { return a(2) + std::size_t(slot) * kWgSlotBytes; }
+  __host__ __device__ int tile_rows() const { return 64 * wgs; }
+  __host__ __device__ std::size_t w(int slot) const { return a(wgs) + std::size_t(slot) * kWgSlotBytes; }
   __host__ __device__ std::size_t stage(int wg) const { return w(w_stages) + wg * kWgStageBytes; }
   __host__ __device__ std::uint32_t x_slot_bytes() const { return x_boxes * x_box_bytes; }
-  __host__ __device__ std::size_t x(int slot) const { return stage(2) + std::size_t(slot) * x_slot_bytes(); }
+  __host__ __device__ std::size_t x(int slot) const { return stage(wgs) + std::size_t(slot) * x_slot_bytes(); }
   __host__ __device__ std::size_t row_mask() const { return x(x_stages); }
-  __host__ __device__ std::size_t row_base() const { return row_mask() + kWgTileRows * 4; }
-  __host__ __device__ std::size_t ln() const { return row_base() + kWgTileRows * 8; }  // w, b [cp]
+  __host__ __device__ std::size_t row_base() const { return row_mask() + tile_rows() * 4; }
+  __host__ __device__ std::size_t ln() const { return row_base() + tile_rows() * 8; }  // w, b [cp]
   __host__ __device__ std::size_t barriers() const { return ln() + std::size_t(2) * cp * 4; }
   __host__ __device__ std::size_t bytes() const {
     return 1024 + barriers() + std::size_t(2) * (w_stages + x_stages) * 8;
@@ -645,8 +651,8 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
   }
 }
 
-// A consumer warpgroup of wg_project, for every tile of the block.
-template <typename T, int kQuads>
+// A consumer warpgroup of wg_project (one of kWgs), for every tile of the block.
+template <typename T, int kQuads, int kWgs>
 __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const WgProjectLayout& l,
                                                    int tiles, unsigned char* base,
                                                    std::uint64_t* w_full, std::uint64_t* w_empty,
@@ -664,7 +670,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
   auto* const stage_gate = stage_right + kChunkD * 64;
   float* const row_mask = reinterpret_cast<float*>(base + l.row_mask()) + 64 * wg;
   std::int64_t* const row_base = reinterpret_cast<std::int64_t*>(base + l.row_base()) + 64 * wg;
-  const int groups = kWgTileRows / l.x_rows;  // x slots a tile, both warpgroups'
+  const int groups = kWgs * 64 / l.x_rows;  // x slots a tile, all warpgroups'
   const int kbs = l.cp / kWgStepK;
   const int c = static_cast<int>(a.c);
   const std::int64_t nn = a.n * a.n;
@@ -676,14 +682,14 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     src[t] = (q / l.x_box_c) * (l.x_rows * l.x_box_c) + q % l.x_box_c;
   }
   RingPosition w_at;          // the weight slot to read next
-  RingPosition x_at{wg, 0};   // the x slot to read next: this warpgroup's are every other one
-  // Taking turns: a warpgroup issues a chunk's MMAs once the other has issued its previous
-  // chunk's (warpgroup 0 first), so that one's MMAs run under the other's epilogue instead of
-  // both multiplying, then both computing gates, in step.
-  const int my_turn = 3 + wg, their_turn = 4 - wg;
-  if (take_turns && wg == 1) named_barrier_arrive(their_turn, 256);
+  RingPosition x_at{wg, 0};   // the x slot to read next: this warpgroup's are every kWgs-th one
+  // Taking turns: a warpgroup issues a chunk's MMAs once the one before it (warpgroup 0: the
+  // last) has issued its own, warpgroup 0 first, so that one's MMAs run under the others'
+  // epilogues instead of all multiplying, then all computing gates, in step.
+  const int my_turn = 1 + kWgs + wg, next_turn = 1 + kWgs + (wg + 1) % kWgs;
+  if (take_turns && wg == kWgs - 1) named_barrier_arrive(next_turn, 256);
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const std::int64_t m0 = static_cast<std::int64_t>(tile) * kWgTileRows + 64 * wg;
+    const std::int64_t m0 = static_cast<std::int64_t>(tile) * (64 * kWgs) + 64 * wg;
     if (tid < 64) {
       const std::int64_t m = m0 + tid;
       float mk = 0.0f;
@@ -698,8 +704,8 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       row_mask[tid] = mk;
       row_base[tid] = rb;
     }
-    // The warpgroup's rows: groups wg, wg + 2, ... of the tile's.
-    for (int within = 0; within < groups / 2; ++within) {
+    // The warpgroup's rows: groups wg, wg + kWgs, ... of the tile's.
+    for (int within = 0; within < groups / kWgs; ++within) {
       mbarrier_wait(&x_full[x_at.slot], x_at.phase);
       const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
       const int a_row0 = within * l.x_rows + warp;
@@ -712,7 +718,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       }
       __syncwarp();
       if (lane == 0) mbarrier_arrive(&x_empty[x_at.slot]);
-      x_at.advance(2, l.x_stages);
+      x_at.advance(kWgs, l.x_stages);
     }
     fence_proxy_async_shared();       // the A tile, written by threads, is read by the MMAs
     named_barrier_sync(1 + wg, 128);  // and the rows' masks and offsets by every thread
@@ -722,7 +728,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       int previous = 0;  // the slot read before this one
       // The turn passes on after this chunk's last MMAs, except at the very last (no one takes it).
       const bool pass_turn =
-          take_turns && !(wg == 1 && tile + gridDim.x >= tiles && chunk == a.chunks - 1);
+          take_turns && !(wg == kWgs - 1 && tile + gridDim.x >= tiles && chunk == a.chunks - 1);
       if (take_turns) named_barrier_sync(my_turn, 256);
       for (int kb = 0; kb < kbs; ++kb) {
         mbarrier_wait(&w_full[w_at.slot], w_at.phase);
@@ -734,7 +740,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
               advance_descriptor(desc_w, w_at.slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
         }
         wgmma_commit();
-        if (pass_turn && kb == kbs - 1) named_barrier_arrive(their_turn, 256);
+        if (pass_turn && kb == kbs - 1) named_barrier_arrive(next_turn, 256);
         wgmma_wait<1>();  // the previous slot's MMAs are done: hand it back
         if (kb > 0 && lane == 0) mbarrier_arrive(&w_empty[previous]);
         previous = w_at.slot;
@@ -805,8 +811,8 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
 
 #endif  // FUSEKIT_WGMMA
 
-template <typename T, int kQuads>
-__global__ void __launch_bounds__(kWgThreads, 1)
+template <typename T, int kQuads, int kWgs>
+__global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
     wg_project(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,
                const __grid_constant__ CUtensorMap left_map,
                const __grid_constant__ CUtensorMap right_map,
@@ -822,10 +828,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   auto* const x_full = w_empty + l.w_stages;
   auto* const x_empty = x_full + l.x_stages;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 256) {
+  if (threadIdx.x == 128 * kWgs) {
     for (int s = 0; s < l.w_stages; ++s) {
       mbarrier_init(&w_full[s], 1);
-      mbarrier_init(&w_empty[s], 8);  // one arrival per consumer warp
+      mbarrier_init(&w_empty[s], 4 * kWgs);  // one arrival per consumer warp
     }
     for (int s = 0; s < l.x_stages; ++s) {
       mbarrier_init(&x_full[s], 1);
@@ -834,16 +840,23 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     mbarrier_init_fence();
   }
   float* const ln = reinterpret_cast<float*>(base + l.ln());
-  for (int q = threadIdx.x; q < l.cp; q += kWgThreads) {
+  for (int q = threadIdx.x; q < l.cp; q += wg_project_threads(kWgs)) {
     ln[q] = q < a.c ? a.ln_weight[q] : 0.0f;
     ln[l.cp + q] = q < a.c ? a.ln_bias[q] : 0.0f;
   }
   __syncthreads();
+  if constexpr (kWgs == 3) {
+    if (warp < 4 * kWgs) {
+      warpgroup_raise_registers<152>();
+    } else {
+      warpgroup_lower_registers<40>();
+    }
+  }
 
-  if (warp < 8) {
-    wg_project_consume<T, kQuads>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
+  if (warp < 4 * kWgs) {
+    wg_project_consume<T, kQuads, kWgs>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
                                   planes_by_copy, take_turns, left_map, right_map, gate_map);
-  } else if (warp == 8 && lane == 0) {  // the weight producer
+  } else if (warp == 4 * kWgs && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
     RingPosition at;
@@ -860,9 +873,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         }
       }
     }
-  } else if (warp == 9 && lane == 0) {  // the x producer
+  } else if (warp == 4 * kWgs + 1 && lane == 0) {  // the x producer
     prefetch_tensor_map(&x_map);
-    const int groups = kWgTileRows / l.x_rows;
+    const int groups = kWgs * 64 / l.x_rows;
     RingPosition at;
     bool first_round = true;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -872,8 +885,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         at.advance(1, l.x_stages);
         first_round = first_round && at.slot != 0;
         mbarrier_arrive_expect_bytes(&x_full[slot], l.x_slot_bytes());
-        // group g: rows x_rows (g / 2) .. of warpgroup g % 2
-        const int row = tile * kWgTileRows + (g % 2) * 64 + (g / 2) * l.x_rows;
+        // group g: rows x_rows (g / kWgs) .. of warpgroup g % kWgs
+        const int row = tile * (64 * kWgs) + (g % kWgs) * 64 + (g / kWgs) * l.x_rows;
         for (int box = 0; box < l.x_boxes; ++box) {
           tensor_copy_2d_to_shared(base + l.x(slot) + box * l.x_box_bytes, &x_map,
                                    box * l.x_box_c, row, &x_full[slot]);
@@ -886,11 +899,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #endif
 }
 
-// The warpgroup kernel's shared memory for rows of C elements of `element` bytes, or nothing where
-// C exceeds kWgProjectMaxC or a ring of two slots each does not fit in `limit` bytes.
-std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t element, int limit) {
+// The warpgroup kernel's shared memory for rows of C elements of `element` bytes with `wgs`
+// consumer warpgroups, or nothing where C exceeds kWgProjectMaxC or a ring of two weight slots and
+// one x slot a warpgroup does not fit in `limit` bytes.
+std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t element, int limit,
+                                                 int wgs) {
   if (c > kWgProjectMaxC) return std::nullopt;
   WgProjectLayout l;
+  l.wgs = wgs;
   l.cp = static_cast<int>(ceil_div(c, std::int64_t{kWgStepK}) * kWgStepK);
   l.x_boxes = static_cast<int>(ceil_div(c, std::int64_t{256}));  // a box is at most 256 wide
   // Box rows of whole 32-byte pieces: a box of 4 or more rows is a whole number of 128 bytes, as
@@ -906,21 +922,38 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
     t.w_stages = w;
     return t.bytes() <= static_cast<std::size_t>(limit);
   };
-  // The x slots alternate between the warpgroups, so an even number of them gives each warpgroup
-  // slots of its own, every use of which it reads in turn. (With an odd number a warpgroup would
-  // wait on a slot whose previous use, by the other warpgroup, may not have landed yet, and the
-  // parity of its full barrier could not tell the two uses apart.)
+  // The x slots go to the warpgroups in turn, so a multiple of their number gives each warpgroup
+  // slots of its own, every use of which it reads in turn. (Otherwise a warpgroup would wait on a
+  // slot whose previous use, by another warpgroup, may not have landed yet, and the parity of its
+  // full barrier could not tell the two uses apart.)
   // A third weight slot first (one in flight beyond the two being read: at C = 384 that gained
   // 4% over two x slots a warpgroup), then two x slots a warpgroup where they fit (one leaves its
   // LayerNorm waiting on every slot's copy), then as many weight slots as fit, up to 8.
-  int x = 2, w = 2;
+  int x = wgs, w = 2;
   if (!fits(x, w)) return std::nullopt;
   if (fits(x, 3)) w = 3;
-  if (fits(4, w)) x = 4;
+  if (fits(2 * wgs, w)) x = 2 * wgs;
   while (w < 8 && fits(x, w + 1)) ++w;
   l.x_stages = x;
   l.w_stages = w;
   return l;
+}
+
+// Whether the warpgroups take turns at the MMAs: where the weight ring holds two chunks, since the
+// one that issues a chunk's MMAs is then a chunk ahead of the last, which may still be reading its
+// slots. Taking turns without that room would wait on a slot no one can free.
+bool takes_turns(const WgProjectLayout& l) { return l.w_stages >= 2 * (l.cp / kWgStepK); }
+
+// Three consumer warpgroups where a row fits one group of four values a lane (C <= 128) and they
+// can take turns (more warps to hide each one's LayerNorm and epilogue latency; they fit 144
+// registers a thread only there), else two.
+std::optional<WgProjectLayout> choose_wg_project_layout(std::int64_t c, std::size_t element,
+                                                        int limit) {
+  if (c <= 128) {
+    const std::optional<WgProjectLayout> three = wg_project_layout(c, element, limit, 3);
+    if (three && takes_turns(*three)) return three;
+  }
+  return wg_project_layout(c, element, limit, 2);
 }
 
 // x as a matrix of M evenly spaced rows: the spacing in elements, or 0 where the rows are not.
@@ -1237,13 +1270,16 @@ template <typename T>
 void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std::int64_t x_ld,
                        const ProjectArgs& pa, int device, cudaStream_t stream) {
   // Layouts differ with C: the kernel may take all the shared memory a block can have.
-  const auto kernel = layout.cp <= 128 ? wg_project<T, 1> : layout.cp <= 256 ? wg_project<T, 2>
-                                                                             : wg_project<T, 3>;
-  static std::atomic<bool> allowed[3][kMaxDevices];
+  const int variant = layout.wgs == 3 ? 3 : (layout.cp - 1) / 128;
+  const auto kernel = variant == 3          ? wg_project<T, 1, 3>
+                      : layout.cp <= 128    ? wg_project<T, 1, 2>
+                      : layout.cp <= 256    ? wg_project<T, 2, 2>
+                                            : wg_project<T, 3, 2>;
+  static std::atomic<bool> allowed[4][kMaxDevices];
   allow_shared_memory(kernel, static_cast<std::size_t>(max_shared_memory_per_block(device)), device,
-                      allowed[(layout.cp - 1) / 128], true,
+                      allowed[variant], true,
                       [] { return concat(kOp, ": the warpgroup projection kernel"); });
-  const int tiles = static_cast<int>(ceil_div(pa.m, std::int64_t{kWgTileRows}));
+  const int tiles = static_cast<int>(ceil_div(pa.m, std::int64_t{layout.tile_rows()}));
   const CUtensorMap w_map = make_tensor_map_2d(kOp, DType::Float16, pa.w5, pa.chunks * kWgChunkCols,
                                                layout.cp, layout.cp, kWgChunkCols);
   const CUtensorMap x_map = make_tensor_map_rows(kOp, p.dtype, p.x, pa.m, p.c, x_ld, layout.x_rows,
@@ -1262,13 +1298,10 @@ void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std
     }
   }
   const bool by_copy = planes[0] && planes[1] && planes[2];
-  // The warpgroups take turns at the MMAs where the weight ring holds two chunks: the one that
-  // issues a chunk's MMAs is then a chunk ahead of the other, which may still be reading its slots.
-  const bool take_turns = layout.w_stages >= 2 * (layout.cp / kWgStepK);
   const int blocks = std::min(tiles, multiprocessor_count(device));
-  kernel<<<blocks, kWgThreads, layout.bytes(), stream>>>(
+  kernel<<<blocks, wg_project_threads(layout.wgs), layout.bytes(), stream>>>(
       w_map, x_map, by_copy ? *planes[0] : w_map, by_copy ? *planes[1] : w_map,
-      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy, take_turns);
+      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy, takes_turns(layout));
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
 }
 
@@ -1280,10 +1313,10 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
 
   // The projection kernel: the warpgroup kernel where it fits (see TrimulProjectKernel).
   const std::int64_t x_ld = uniform_row_stride(p);
-  const std::optional<WgProjectLayout> wg_layout = wg_project_layout(p.c, sizeof(T), smem_limit);
+  const std::optional<WgProjectLayout> wg_layout = choose_wg_project_layout(p.c, sizeof(T), smem_limit);
   const bool wg_fits = has_warpgroup_mma(device) && wg_layout.has_value() && x_ld >= p.c &&
                        x_ld * static_cast<std::int64_t>(sizeof(T)) % 16 == 0 && is_aligned(p.x, 16) &&
-                       m <= std::numeric_limits<int>::max() - kWgTileRows;
+                       m <= std::numeric_limits<int>::max() - wg_layout->tile_rows();
   bool use_wg = false;
   switch (p.project_kernel) {
     case TrimulProjectKernel::Auto: use_wg = wg_fits; break;
