@@ -269,8 +269,10 @@ TEST_F(TrimulCudaProjectionsLarge, WarpgroupMatchesCpuBackend) {
         TrimulCase{1, 200, 384, 128, kIncoming, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
         TrimulCase{3, 130, 128, 128, kOutgoing, TrimulMask::Fractional, TrimulDist::Cauchy,
                    DType::BFloat16},
-        TrimulCase{1, 200, 192, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal, DType::Float32},
-        TrimulCase{2, 150, 128, 128, kIncoming, TrimulMask::None, TrimulDist::Normal, DType::Float32}}) {
+        TrimulCase{1, 200, 192, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal,
+                   DType::Float32},
+        TrimulCase{2, 150, 128, 128, kIncoming, TrimulMask::None, TrimulDist::Normal,
+                   DType::Float32}}) {
     SCOPED_TRACE(trimul_case_name(c));
     const TrimulInputs in = make_trimul_inputs(c, rng_);
     expect_matches_cpu(run_cuda_projecting(in, c, ProjectKernel::Warpgroup), in, c);

@@ -516,17 +516,17 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 // --------------------------------------------------------------------------- 2b. projections, sm_90a
 //
 // The same work on warpgroup MMAs: a persistent kernel, one block a multiprocessor, of consumer
-// warpgroups (three at C <= 128, else two) and two producer warps, over tiles of 64 rows a
-// consumer warpgroup. The x producer warp
-// copies rows of x through a ring of slots (tensor-map boxes of whole rows) ahead of use; a
-// warpgroup normalises its rows from there into its A tile, float16 in the 128-byte-swizzled layout
-// the MMAs read. The weight producer warp streams the packed weights, 160 rows (the five
-// projections of 32 channels) by 64 k a slot, through a ring all warpgroups read. A chunk of 32
-// channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the epilogue applies mask
-// and gates, stages left, right and gate by transposing stmatrix as swizzled boxes of 32 channels
-// by 64 rows, and one thread of the warpgroup sends them to their planes by the copy engine
-// (threads copy them where the planes have padded rows). Where the weight ring holds two chunks
-// (C up to 192) the warpgroups take turns at the MMAs, one's running under the others' epilogues.
+// warpgroups (three at C <= 128, else two) and two producer warps, over tiles of 64 rows a consumer
+// warpgroup. The x producer warp copies rows of x through a ring of slots (tensor-map boxes of
+// whole rows) ahead of use; a warpgroup normalises its rows from there into its A tile, float16 in
+// the 128-byte-swizzled layout the MMAs read. The weight producer warp streams the packed weights,
+// 160 rows (the five projections of 32 channels) by 64 k a slot, through a ring all warpgroups
+// read. A chunk of 32 channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the
+// epilogue applies mask and gates, stages left, right and gate by transposing stmatrix as swizzled
+// boxes of 32 channels by 64 rows, and one thread of the warpgroup sends them to their planes by
+// the copy engine (threads copy them where the planes have padded rows). Where the weight ring
+// holds two chunks (C up to 192) the warpgroups take turns at the MMAs, one's running under the
+// others' epilogues.
 
 // Threads of a block with `wgs` consumer warpgroups: theirs, then the weight and the x producer
 // warps; with three, the producers' warpgroup is whole (its two other warps idle), so that it can
@@ -855,7 +855,7 @@ __global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
 
   if (warp < 4 * kWgs) {
     wg_project_consume<T, kQuads, kWgs>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
-                                  planes_by_copy, take_turns, left_map, right_map, gate_map);
+                                        planes_by_copy, take_turns, left_map, right_map, gate_map);
   } else if (warp == 4 * kWgs && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
@@ -944,9 +944,9 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
 // slots. Taking turns without that room would wait on a slot no one can free.
 bool takes_turns(const WgProjectLayout& l) { return l.w_stages >= 2 * (l.cp / kWgStepK); }
 
-// Three consumer warpgroups where a row fits one group of four values a lane (C <= 128) and they
-// can take turns (more warps to hide each one's LayerNorm and epilogue latency; they fit 144
-// registers a thread only there), else two.
+// Three consumer warpgroups where they can take turns (more warps to hide each one's LayerNorm and
+// epilogue latency): C <= 128, a row one group of four values a lane; above, three A tiles and two
+// chunks of weight slots do not fit. Else two.
 std::optional<WgProjectLayout> choose_wg_project_layout(std::int64_t c, std::size_t element,
                                                         int limit) {
   if (c <= 128) {
@@ -1270,6 +1270,7 @@ template <typename T>
 void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std::int64_t x_ld,
                        const ProjectArgs& pa, int device, cudaStream_t stream) {
   // Layouts differ with C: the kernel may take all the shared memory a block can have.
+  // (Three warpgroups only at C <= 128: choose_wg_project_layout.)
   const int variant = layout.wgs == 3 ? 3 : (layout.cp - 1) / 128;
   const auto kernel = variant == 3          ? wg_project<T, 1, 3>
                       : layout.cp <= 128    ? wg_project<T, 1, 2>
@@ -1313,7 +1314,8 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
 
   // The projection kernel: the warpgroup kernel where it fits (see TrimulProjectKernel).
   const std::int64_t x_ld = uniform_row_stride(p);
-  const std::optional<WgProjectLayout> wg_layout = choose_wg_project_layout(p.c, sizeof(T), smem_limit);
+  const std::optional<WgProjectLayout> wg_layout =
+      choose_wg_project_layout(p.c, sizeof(T), smem_limit);
   const bool wg_fits = has_warpgroup_mma(device) && wg_layout.has_value() && x_ld >= p.c &&
                        x_ld * static_cast<std::int64_t>(sizeof(T)) % 16 == 0 && is_aligned(p.x, 16) &&
                        m <= std::numeric_limits<int>::max() - wg_layout->tile_rows();
