@@ -565,6 +565,10 @@ struct WgProjectLayout {
   __host__ __device__ std::size_t bytes() const {
     return 1024 + barriers() + std::size_t(2) * (w_stages + x_stages) * 8;
   }
+  // Whether the warpgroups take turns at the MMAs: where the weight ring holds two chunks, since
+  // the one that issues a chunk's MMAs is then a chunk ahead of the last, which may still be
+  // reading its slots. Taking turns without that room would wait on a slot no one can free.
+  __host__ __device__ bool takes_turns() const { return w_stages >= 2 * (cp / kWgStepK); }
 };
 
 
@@ -657,7 +661,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
                                                    int tiles, unsigned char* base,
                                                    std::uint64_t* w_full, std::uint64_t* w_empty,
                                                    std::uint64_t* x_full, std::uint64_t* x_empty,
-                                                   bool planes_by_copy, bool take_turns,
+                                                   bool planes_by_copy,
                                                    const CUtensorMap& left_map,
                                                    const CUtensorMap& right_map,
                                                    const CUtensorMap& gate_map) {
@@ -687,6 +691,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
   // last) has issued its own, warpgroup 0 first, so that one's MMAs run under the others'
   // epilogues instead of all multiplying, then all computing gates, in step.
   const int my_turn = 1 + kWgs + wg, next_turn = 1 + kWgs + (wg + 1) % kWgs;
+  const bool take_turns = l.takes_turns();
   if (take_turns && wg == kWgs - 1) named_barrier_arrive(next_turn, 256);
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const std::int64_t m0 = static_cast<std::int64_t>(tile) * (64 * kWgs) + 64 * wg;
@@ -817,7 +822,7 @@ __global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
                const __grid_constant__ CUtensorMap left_map,
                const __grid_constant__ CUtensorMap right_map,
                const __grid_constant__ CUtensorMap gate_map, const ProjectArgs a,
-               const WgProjectLayout l, int tiles, bool planes_by_copy, bool take_turns) {
+               const WgProjectLayout l, int tiles, bool planes_by_copy) {
 #ifdef FUSEKIT_WGMMA
   extern __shared__ __align__(16) unsigned char shared_raw[];
   // 1024-byte aligned in the shared window (the swizzle repeats every 1024 bytes), by pointer
@@ -855,7 +860,7 @@ __global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
 
   if (warp < 4 * kWgs) {
     wg_project_consume<T, kQuads, kWgs>(a, l, tiles, base, w_full, w_empty, x_full, x_empty,
-                                        planes_by_copy, take_turns, left_map, right_map, gate_map);
+                                        planes_by_copy, left_map, right_map, gate_map);
   } else if (warp == 4 * kWgs && lane == 0) {  // the weight producer
     prefetch_tensor_map(&w_map);
     const int kbs = l.cp / kWgStepK;
@@ -939,11 +944,6 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   return l;
 }
 
-// Whether the warpgroups take turns at the MMAs: where the weight ring holds two chunks, since the
-// one that issues a chunk's MMAs is then a chunk ahead of the last, which may still be reading its
-// slots. Taking turns without that room would wait on a slot no one can free.
-bool takes_turns(const WgProjectLayout& l) { return l.w_stages >= 2 * (l.cp / kWgStepK); }
-
 // Three consumer warpgroups where they can take turns (more warps to hide each one's LayerNorm and
 // epilogue latency): C <= 128, a row one group of four values a lane; above, three A tiles and two
 // chunks of weight slots do not fit. Else two.
@@ -951,7 +951,7 @@ std::optional<WgProjectLayout> choose_wg_project_layout(std::int64_t c, std::siz
                                                         int limit) {
   if (c <= 128) {
     const std::optional<WgProjectLayout> three = wg_project_layout(c, element, limit, 3);
-    if (three && takes_turns(*three)) return three;
+    if (three && three->takes_turns()) return three;
   }
   return wg_project_layout(c, element, limit, 2);
 }
@@ -1302,7 +1302,7 @@ void launch_wg_project(const TrimulParams& p, const WgProjectLayout& layout, std
   const int blocks = std::min(tiles, multiprocessor_count(device));
   kernel<<<blocks, wg_project_threads(layout.wgs), layout.bytes(), stream>>>(
       w_map, x_map, by_copy ? *planes[0] : w_map, by_copy ? *planes[1] : w_map,
-      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy, takes_turns(layout));
+      by_copy ? *planes[2] : w_map, pa, layout, tiles, by_copy);
   FUSEKIT_CUDA_CHECK_LAUNCH("trimul wg_project");
 }
 
