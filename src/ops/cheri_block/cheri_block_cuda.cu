@@ -771,6 +771,138 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+/// conv_norm_backward_kernel on sm_90 where dy is float32 and the rows of x and dy are dense and
+/// 16-byte aligned: the block brings dy rows [l0 - d, l1 + d) and x rows [l0 - 2 d, l1 + 2 d) of
+/// example n (clipped to the plane; no halo for d >= L) into shared memory by two bulk copies,
+/// turns dy into dconv there (each row once, where the plain kernel computes it three times from
+/// nine rows of x), then computes grad_x and the block's share of the weight gradient from shared
+/// memory. Shared memory: gx_stage_bytes (C / V <= kThreads: one channel group a thread).
+template <typename T, int V, bool kResidual>
+__global__ void __launch_bounds__(kThreads, 2)
+    conv_norm_backward_staged_kernel(const CheriBlockParams p, const float* w,
+                                     const CheriActivation grad_y, const float* means,
+                                     std::int64_t rows, std::int64_t chunks, float* partial) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char gx_stage_raw[];
+  __shared__ std::uint64_t arrived;
+  const PlaneBlock b = plane_block<V>(p, rows, chunks);
+  const int t = threadIdx.x, cc = static_cast<int>(p.c);
+  const std::int64_t d = p.dilation, halo = d < p.l ? d : 0;
+  const std::int64_t dlo = max(b.l0 - halo, std::int64_t{0}), dhi = min(b.l1 + halo, p.l);
+  const std::int64_t xlo = max(b.l0 - 2 * halo, std::int64_t{0});
+  const std::int64_t xhi = min(b.l1 + 2 * halo, p.l);
+  float* const dc = reinterpret_cast<float*>(gx_stage_raw);  // [dhi - dlo][C]: dy, then dconv
+  T* const xs = reinterpret_cast<T*>(dc + (dhi - dlo) * cc);  // [xhi - xlo][C]
+  if (t == 0) {
+    mbarrier_init(&arrived, 1);
+    mbarrier_init_fence();
+    const auto dy_bytes = static_cast<std::uint32_t>((dhi - dlo) * cc * sizeof(float));
+    const auto x_bytes = static_cast<std::uint32_t>((xhi - xlo) * cc * sizeof(T));
+    mbarrier_arrive_expect_bytes(&arrived, dy_bytes + x_bytes);
+    bulk_copy_to_shared(dc, row_of<float>(grad_y, b.n, dlo), dy_bytes, &arrived);
+    bulk_copy_to_shared(xs, row_of<T>(p.x, b.n, xlo), x_bytes, &arrived);
+  }
+  __syncthreads();  // the barrier is initialised before anyone waits on it
+  const float mean = p.saved_mean.data[b.n * p.saved_mean.stride];
+  const float rstd = p.saved_rstd.data[b.n * p.saved_rstd.stride];
+  const float mean_dy = means[2 * b.n], mean_dy_y = means[2 * b.n + 1];
+  const bool active = t < b.tpr * b.lanes;
+  const int c0 = (t % b.tpr) * V, first = t / b.tpr;
+  float w0[V], w1[V], w2[V];
+  load_vec<float, V>(w + c0, w0);
+  load_vec<float, V>(w + p.c + c0, w1);
+  load_vec<float, V>(w + 2 * p.c + c0, w2);
+  const auto x_row = [&](std::int64_t l) { return xs + static_cast<int>(l - xlo) * cc + c0; };
+  const auto dc_row = [&](std::int64_t l) { return dc + static_cast<int>(l - dlo) * cc + c0; };
+  mbarrier_wait(&arrived, 0);
+
+  // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, over dy in place.
+  if (active) {
+    for (std::int64_t l = dlo + first; l < dhi; l += b.lanes) {
+      float xv[V], conv[V], g[V];
+      load_shared_vec<T, V>(x_row(l), xv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) conv[k] = w1[k] * xv[k];
+      if (l >= d) {
+        load_shared_vec<T, V>(x_row(l - d), xv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) conv[k] += w0[k] * xv[k];
+      }
+      if (l + d < p.l) {
+        load_shared_vec<T, V>(x_row(l + d), xv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) conv[k] += w2[k] * xv[k];
+      }
+      load_shared_vec<float, V>(dc_row(l), g);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        g[k] = rstd * (g[k] - mean_dy - ((conv[k] - mean) * rstd) * mean_dy_y);
+      }
+#pragma unroll
+      for (int k = 0; k < V; k += 4) {
+        *reinterpret_cast<float4*>(dc_row(l) + k) = make_float4(g[k], g[k + 1], g[k + 2], g[k + 3]);
+      }
+    }
+  }
+  __syncthreads();  // every row's dconv is in place
+
+  float gw[3][V] = {};  // [tap][channel]
+  if (active) {
+    for (std::int64_t l = b.l0 + first; l < b.l1; l += b.lanes) {
+      float mid[V], side[V], gx[V], xv[V];
+      load_shared_vec<float, V>(dc_row(l), mid);
+#pragma unroll
+      for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k];
+      if (l + d < p.l) {
+        load_shared_vec<float, V>(dc_row(l + d), side);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gx[k] += w0[k] * side[k];
+      }
+      if (l >= d) {
+        load_shared_vec<float, V>(dc_row(l - d), side);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
+      }
+      if constexpr (kResidual) {
+        float go[V];
+        load_vec<T, V>(row_of<T>(p.grad_out, b.n, l) + c0, go);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gx[k] += go[k];
+      }
+      store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
+      load_shared_vec<T, V>(x_row(l), xv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
+      if (l >= d) {
+        load_shared_vec<T, V>(x_row(l - d), xv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gw[0][k] += mid[k] * xv[k];
+      }
+      if (l + d < p.l) {
+        load_shared_vec<T, V>(x_row(l + d), xv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * xv[k];
+      }
+    }
+  }
+  __syncthreads();  // the stage is free: it holds the threads' sums next
+  float* const red = reinterpret_cast<float*>(gx_stage_raw);  // [kThreads][3 V]
+#pragma unroll
+  for (int tap = 0; tap < 3; ++tap) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) red[t * 3 * V + tap * V + k] = gw[tap][k];
+  }
+  __syncthreads();
+  // Thread (tap, group, k) adds the row lanes of its column in order.
+  for (int i = t; i < 3 * b.tpr * V; i += kThreads) {
+    const int tap = i / (b.tpr * V), rem = i % (b.tpr * V), g = rem / V, k = rem % V;
+    float sum = 0.0f;
+    for (int lane = 0; lane < b.lanes; ++lane) sum += red[(lane * b.tpr + g) * 3 * V + tap * V + k];
+    partial[(static_cast<std::int64_t>(blockIdx.x) * 3 + tap) * p.c + g * V + k] = sum;
+  }
+#endif
+}
+
 /// dst[j / cols, j % cols] = sum over i of part[i, j], in order of i (double), j < width.
 __global__ void sum_partials_kernel(const float* part, std::int64_t count, std::int64_t width,
                                     const CheriMatrix dst, std::int64_t cols) {
@@ -2038,6 +2170,46 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
   return {data, {p.l * p.c, p.c}};
 }
 
+/// Shared memory of conv_norm_backward_staged_kernel for the plane passes' blocks (plane_grid),
+/// or 0 where that kernel does not apply: it needs dy in float32, x and dy in dense 16-byte
+/// aligned rows, sm_90, a halo of at most half a block's rows, and the block's rows with their
+/// halo (d rows on each side for dy, 2 d for x) in at most kGxStageBytes (two blocks an SM: up to
+/// d = 4 at C = 128 in float32, the shape measured; bench/NOTES.md).
+constexpr std::size_t kGxStageBytes = 80 * 1024;
+
+template <typename T, typename G>
+std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy, bool vector,
+                           int device) {
+  if (!std::is_same_v<G, float> || !vector || !has_warpgroup_mma(device) ||
+      p.x.stride[1] != p.c || dy.stride[1] != p.c || p.c / kVec16<T> > kThreads) {
+    return 0;
+  }
+  const std::int64_t rows = plane_grid(p).rows, halo = p.dilation < p.l ? p.dilation : 0;
+  if (2 * halo > rows) return 0;
+  const std::int64_t x_rows = std::min(rows + 4 * halo, p.l);
+  const std::int64_t dy_rows = std::min(rows + 2 * halo, p.l);
+  const std::size_t stage = static_cast<std::size_t>(p.c) *
+                            (static_cast<std::size_t>(x_rows) * sizeof(T) +
+                             static_cast<std::size_t>(dy_rows) * sizeof(float));
+  // the threads' weight-gradient sums reuse the stage
+  const std::size_t sums = std::size_t{kThreads} * 3 * kVec16<T> * sizeof(float);
+  return stage <= kGxStageBytes ? std::max(stage, sums) : 0;
+}
+
+template <typename T, bool kResidual>
+void launch_gx_staged(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
+                      const float* means, const PlaneGrid& g, std::size_t bytes, float* part,
+                      int device, cudaStream_t stream) {
+  static std::atomic<bool> allowed[kMaxDevices];
+  const auto kernel = conv_norm_backward_staged_kernel<T, kVec16<T>, kResidual>;
+  allow_shared_memory(kernel, kGxStageBytes, device, allowed, true, [] {
+    return concat(kOp, ": the staged backward of the convolution and norm");
+  });
+  kernel<<<static_cast<unsigned>(p.n * g.chunks), kThreads, bytes, stream>>>(
+      p, conv_w, dy, means, g.rows, g.chunks, part);
+  FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_staged_kernel");
+}
+
 /// The backward of the norm and the convolution: grad_x (plus grad_out when `residual`) and
 /// grad_conv_weight, from grad_y of type G (x's dtype in the caller's layout, or dense float32).
 /// `known_means`, where given, holds mean(dy) and mean(dy y) of every example already ([N, 2]).
@@ -2046,6 +2218,10 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
                         bool residual, int device, cudaStream_t stream,
                         const float* known_means = nullptr) {
   const PlaneGrid g = plane_grid(p);
+  bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
+                rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T));
+  if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
+  const std::size_t staged = gx_stage_bytes<T, G>(p, dy, vector, device);
   const std::int64_t blocks = p.n * g.chunks;
   Carve carve;
   const std::size_t o_sums = carve.take(floats(known_means ? 0 : 2 * blocks));
@@ -2056,9 +2232,6 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
   const float* means = known_means ? known_means : at<float>(ws, o_means);
   float* part = at<float>(ws, o_part);
   if (blocks > 0) {
-    bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
-                  rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T));
-    if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
     with_vec<T>(vector, [&](auto v) {
       constexpr int V = decltype(v)::value;
       if (!known_means) {
@@ -2071,6 +2244,14 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
                                               static_cast<double>(p.l * p.c),
                                               at<float>(ws, o_means));
         FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
+      }
+      if (staged) {
+        if (residual) {
+          launch_gx_staged<T, true>(p, conv_w, dy, means, g, staged, part, device, stream);
+        } else {
+          launch_gx_staged<T, false>(p, conv_w, dy, means, g, staged, part, device, stream);
+        }
+        return;
       }
       const auto launch = [&](auto kernel) {
         kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, means,
