@@ -176,9 +176,9 @@ void check_cuda_all(const CheriCase& k, std::mt19937_64& rng, const CheriLayouts
 // boundaries, E = 1 and 2, many examples with d above the x slots' halo); C = 256 and E = 3 at
 // C = 128 (too big for the fused kernel's shared memory: the general path); the largest
 // dilations. The backward's grad_x pass is staged in shared memory (sm_90, vector rows, dy in
-// float32) where a block's rows with their halo fit: at C = 128 up to d = 4 in float32, at C = 64
-// up to d = 16 ({2, 150, 64, 2, 16}: blocks of 128 and 22 rows), and wherever d >= L; larger d
-// and the scalar cases take the plain pass.
+// float32) where a block's rows with their halo fit: in float32 up to d = 16 at C = 128 (the
+// model's dilations below) and beyond at C = 64 ({2, 150, 64, 2, 16}: blocks of 128 and 22 rows),
+// and wherever d >= L; larger d and the scalar cases take the plain pass.
 const CheriCase kCases[] = {
     {2, 6, 1, 2, 1},     {3, 1, 3, 2, 4},     {2, 7, 3, 2, 7},     {2, 9, 48, 2, 16},
     {3, 33, 80, 2, 2},   {2, 70, 128, 2, 4},  {3, 45, 64, 2, 64},  {1, 300, 128, 2, 256},

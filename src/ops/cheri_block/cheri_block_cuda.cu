@@ -2173,9 +2173,10 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
 /// Shared memory of conv_norm_backward_staged_kernel for the plane passes' blocks (plane_grid),
 /// or 0 where that kernel does not apply: it needs dy in float32, x and dy in dense 16-byte
 /// aligned rows, sm_90, a halo of at most half a block's rows, and the block's rows with their
-/// halo (d rows on each side for dy, 2 d for x) in at most kGxStageBytes (two blocks an SM: up to
-/// d = 4 at C = 128 in float32, the shape measured; bench/NOTES.md).
-constexpr std::size_t kGxStageBytes = 80 * 1024;
+/// halo (d rows on each side for dy, 2 d for x) in at most kGxStageBytes: two blocks an SM, up to
+/// d = 16 at C = 128 in float32 and d = 32 in half precision (faster than the plain pass at every
+/// d measured, 4, 8 and 16; bench/NOTES.md).
+constexpr std::size_t kGxStageBytes = 112 * 1024;
 
 template <typename T, typename G>
 std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy, bool vector,
