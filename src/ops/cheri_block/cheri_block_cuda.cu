@@ -694,6 +694,44 @@ __device__ __forceinline__ void dconv_at(const CheriBlockParams& p, const float*
   }
 }
 
+/// grad_x [n, l, c0 .. c0 + V): gx, plus grad_out there when kResidual, stored in x's dtype.
+template <typename T, int V, bool kResidual>
+__device__ __forceinline__ void store_grad_x(const CheriBlockParams& p, std::int64_t n,
+                                             std::int64_t l, std::int64_t c0, float (&gx)[V]) {
+  if constexpr (kResidual) {
+    float go[V];
+    load_vec<T, V>(row_of<T>(p.grad_out, n, l) + c0, go);
+#pragma unroll
+    for (int k = 0; k < V; ++k) gx[k] += go[k];
+  }
+  store_vec<T, V>(out_row_of<T>(p.grad_x, n, l) + c0, gx);
+}
+
+/// The block's share of the convolution weight gradient for channel groups it * tpr on, into
+/// partial [N chunks, 3, C]: each thread's sums gw [tap][channel] go to red [kThreads][3 V]
+/// (shared), then thread (tap, group, k) adds the row lanes of its column in order.
+template <int V>
+__device__ __forceinline__ void write_weight_grad_partial(const CheriBlockParams& p,
+                                                          const PlaneBlock& b, int it,
+                                                          const float (&gw)[3][V], float* red,
+                                                          float* partial) {
+  const int t = threadIdx.x;
+#pragma unroll
+  for (int tap = 0; tap < 3; ++tap) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) red[t * 3 * V + tap * V + k] = gw[tap][k];
+  }
+  __syncthreads();
+  for (int i = t; i < 3 * b.tpr * V; i += kThreads) {
+    const int tap = i / (b.tpr * V), rem = i % (b.tpr * V), g = rem / V, k = rem % V;
+    const std::int64_t c = (static_cast<std::int64_t>(g) + it * b.tpr) * V + k;
+    if (c >= p.c) continue;
+    float s = 0.0f;
+    for (int lane = 0; lane < b.lanes; ++lane) s += red[(lane * b.tpr + g) * 3 * V + tap * V + k];
+    partial[(static_cast<std::int64_t>(blockIdx.x) * 3 + tap) * p.c + c] = s;
+  }
+}
+
 /// grad_x (plus grad_out when kResidual) and the block's share of the convolution weight
 /// gradient, partial [N chunks, 3, C]. dconv = rstd (dy - mean(dy) - y mean(dy y)) is recomputed
 /// at l and l +- d from x, the saved statistics and dy.
@@ -730,13 +768,7 @@ __global__ void __launch_bounds__(kThreads)
         float gx[V];
 #pragma unroll
         for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k] + w0[k] * right[k] + w2[k] * left[k];
-        if constexpr (kResidual) {
-          float go[V];
-          load_vec<T, V>(row_of<T>(p.grad_out, b.n, l) + c0, go);
-#pragma unroll
-          for (int k = 0; k < V; ++k) gx[k] += go[k];
-        }
-        store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
+        store_grad_x<T, V, kResidual>(p, b.n, l, c0, gx);
         load_vec<T, V>(row_of<T>(p.x, b.n, l) + c0, x);
 #pragma unroll
         for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * x[k];
@@ -752,22 +784,8 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-#pragma unroll
-    for (int tap = 0; tap < 3; ++tap) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) red[t][tap * V + k] = gw[tap][k];
-    }
-    __syncthreads();
-    // Thread (tap, group, k) adds the row lanes of its column in order.
-    for (int i = t; i < 3 * b.tpr * V; i += kThreads) {
-      const int tap = i / (b.tpr * V), rem = i % (b.tpr * V), g = rem / V, k = rem % V;
-      const std::int64_t c = (static_cast<std::int64_t>(g) + it * b.tpr) * V + k;
-      if (c >= p.c) continue;
-      float s = 0.0f;
-      for (int lane = 0; lane < b.lanes; ++lane) s += red[lane * b.tpr + g][tap * V + k];
-      partial[(static_cast<std::int64_t>(blockIdx.x) * 3 + tap) * p.c + c] = s;
-    }
-    __syncthreads();
+    write_weight_grad_partial<V>(p, b, it, gw, &red[0][0], partial);
+    __syncthreads();  // red is free for the next channel groups
   }
 }
 
@@ -863,13 +881,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
       }
-      if constexpr (kResidual) {
-        float go[V];
-        load_vec<T, V>(row_of<T>(p.grad_out, b.n, l) + c0, go);
-#pragma unroll
-        for (int k = 0; k < V; ++k) gx[k] += go[k];
-      }
-      store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
+      store_grad_x<T, V, kResidual>(p, b.n, l, c0, gx);
       load_shared_vec<T, V>(x_row(l), xv);
 #pragma unroll
       for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
@@ -886,20 +898,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();  // the stage is free: it holds the threads' sums next
-  float* const red = reinterpret_cast<float*>(gx_stage_raw);  // [kThreads][3 V]
-#pragma unroll
-  for (int tap = 0; tap < 3; ++tap) {
-#pragma unroll
-    for (int k = 0; k < V; ++k) red[t * 3 * V + tap * V + k] = gw[tap][k];
-  }
-  __syncthreads();
-  // Thread (tap, group, k) adds the row lanes of its column in order.
-  for (int i = t; i < 3 * b.tpr * V; i += kThreads) {
-    const int tap = i / (b.tpr * V), rem = i % (b.tpr * V), g = rem / V, k = rem % V;
-    float sum = 0.0f;
-    for (int lane = 0; lane < b.lanes; ++lane) sum += red[(lane * b.tpr + g) * 3 * V + tap * V + k];
-    partial[(static_cast<std::int64_t>(blockIdx.x) * 3 + tap) * p.c + g * V + k] = sum;
-  }
+  write_weight_grad_partial<V>(p, b, 0, gw, reinterpret_cast<float*>(gx_stage_raw), partial);
 #endif
 }
 
@@ -2179,13 +2178,13 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
 constexpr std::size_t kGxStageBytes = 112 * 1024;
 
 template <typename T, typename G>
-std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy, bool vector,
-                           int device) {
+std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy,
+                           const PlaneGrid& g, bool vector, int device) {
   if (!std::is_same_v<G, float> || !vector || !has_warpgroup_mma(device) ||
       p.x.stride[1] != p.c || dy.stride[1] != p.c || p.c / kVec16<T> > kThreads) {
     return 0;
   }
-  const std::int64_t rows = plane_grid(p).rows, halo = p.dilation < p.l ? p.dilation : 0;
+  const std::int64_t rows = g.rows, halo = p.dilation < p.l ? p.dilation : 0;
   if (2 * halo > rows) return 0;
   const std::int64_t x_rows = std::min(rows + 4 * halo, p.l);
   const std::int64_t dy_rows = std::min(rows + 2 * halo, p.l);
@@ -2222,7 +2221,7 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
   bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
                 rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T));
   if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
-  const std::size_t staged = gx_stage_bytes<T, G>(p, dy, vector, device);
+  const std::size_t staged = gx_stage_bytes<T, G>(p, dy, g, vector, device);
   const std::int64_t blocks = p.n * g.chunks;
   Carve carve;
   const std::size_t o_sums = carve.take(floats(known_means ? 0 : 2 * blocks));
