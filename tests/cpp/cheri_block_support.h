@@ -13,6 +13,7 @@
 
 #include "common/memory.h"
 #include "ops/cheri_block/cheri_block_reference.h"
+#include "ops/cheri_block/cheri_block_tolerances.h"
 #include "test_support.h"
 
 namespace fusekit_test {
@@ -227,36 +228,18 @@ inline void run_block_inference(const CheriTensors& t, const CheriCase& c) {
 
 // ------------------------------------------------------------------------------------ tolerances
 //
-// Against float64 on the same (rounded) inputs. y, out and grad_x: element-wise float32 errors of
-// sums of a few hundred unit-size products at most (below 1e-5), plus for float16 and bfloat16 one
-// rounding of the result (relative u). mean and rstd: float32 roundings of double statistics. The
-// weight gradients are sums over N L rows: the absolute part grows with sqrt(N L); in float16 and
-// bfloat16 weights they are rounded once more (relative u).
+// The policy is the library's own (ops/cheri_block/cheri_block_tolerances.h, shared with `fusekit
+// check`); the weight gradients' bound takes the case's weight dtype and its N L rows.
 
-inline Tolerance cheri_elementwise_tolerance(DType dtype) {
-  const double u = dtype == DType::Float32 ? 0.0 : unit_roundoff(dtype);
-  return {1e-5, u + 1e-5, u + 1e-5};
-}
+using fusekit::testing::cheri_elementwise_tolerance;
+using fusekit::testing::cheri_fast_path_bound;
+using fusekit::testing::cheri_mean_tolerance;
+using fusekit::testing::cheri_relative_to_max;
+using fusekit::testing::cheri_stat_tolerance;
+using fusekit::testing::cheri_tf32_weight_grad_bound;
 
-inline Tolerance cheri_stat_tolerance() { return {1e-6, 1e-6, 1e-6}; }
-
-/// The per-example means on the scale of the values they average: within 1e-6 of the largest
-/// standard deviation (1 / rstd). A relative bound would give a mean near zero (a one-example
-/// batch draws one now and then) no room at all, and what y sees of a mean's error is that error
-/// over the standard deviation.
-inline Tolerance cheri_mean_tolerance(const HostTensor& expected_rstd) {
-  double deviation = 0;
-  for (const double r : expected_rstd.values) deviation = std::max(deviation, 1.0 / r);
-  return {1e-6 * deviation, 0.0, std::numeric_limits<double>::infinity()};
-}
-
-/// Weight gradients are float32 sums over the N L rows: each element within 1e-5 relative plus
-/// 1e-5 sqrt(N L) absolute; the whole tensor within 4e-5 relative (Frobenius), since a tensor of a
-/// few elements, some of them sums whose terms cancel, keeps their error (1.3e-5 seen at 3 x 3).
 inline Tolerance cheri_weight_grad_tolerance(const CheriCase& c) {
-  const double u = c.weight_dtype == DType::Float32 ? 0.0 : unit_roundoff(c.weight_dtype);
-  const double rows = static_cast<double>(std::max<std::int64_t>(1, c.n * c.l));
-  return {1e-5 * std::sqrt(rows), u + 1e-5, u + 4e-5};
+  return fusekit::testing::cheri_weight_grad_tolerance(c.weight_dtype, c.n * c.l);
 }
 
 // ------------------------------------------------------------------------------------ checks

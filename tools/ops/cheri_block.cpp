@@ -1,6 +1,5 @@
-// The cheri_block family in `fusekit check` and `fusekit bench` (CPU only until its CUDA backend
-// lands): dilated_conv_norm forward and backward, the block's training forward, backward and
-// inference forward.
+// The cheri_block family in `fusekit check` and `fusekit bench`: dilated_conv_norm forward and
+// backward, the block's training forward, backward and inference forward.
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -14,6 +13,7 @@
 #include "fusekit/ops/cheri_block.h"
 #include "ops.h"
 #include "ops/cheri_block/cheri_block_reference.h"
+#include "ops/cheri_block/cheri_block_tolerances.h"
 #include "testing/host_tensor.h"
 
 namespace fusekit::tools {
@@ -86,26 +86,6 @@ const std::vector<CheckCase> kCases = {
     {3, 100, 32, 2, 3, kBF16, kF32, LayoutKind::Misaligned},
     {3, 100, 33, 2, 5, kF16, kF32, LayoutKind::Padded},
 };
-
-testing::Tolerance elementwise(DType dtype) {
-  double u = 0;
-  switch (dtype) {
-    case DType::Float32: u = 0; break;
-    case DType::BFloat16: u = 0x1p-8; break;
-    case DType::Float16: u = 0x1p-11; break;
-    default: throw Error(detail::concat("check: no tolerance for dtype ", to_string(dtype)));
-  }
-  return {.atol = 1e-5, .rtol = u + 1e-5, .rel = u + 1e-5};
-}
-
-const testing::Tolerance kStatTolerance{.atol = 1e-6, .rtol = 1e-6, .rel = 1e-6};
-
-// The weight gradients: sums over N L rows, rounded to the weight's dtype.
-testing::Tolerance weight_grad_tolerance(const CheckCase& c) {
-  testing::Tolerance t = elementwise(c.weight_dtype);
-  t.atol = 1e-5 * std::sqrt(static_cast<double>(std::max<std::int64_t>(1, c.n * c.l)));
-  return t;
-}
 
 std::string shape_name(const CheckCase& c) {
   return fmt::format("N{} L{} C{} E{} d{}", c.n, c.l, c.c, c.expansion, c.dilation);
@@ -198,7 +178,19 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
   const DilatedConvNormOptions conv_options{c.dilation, 1e-3};
   CheriBlockOptions options;
   options.dilation = c.dilation;
-  const testing::Tolerance tol = elementwise(c.dtype), wtol = weight_grad_tolerance(c);
+  // The library's tolerance policy (ops/cheri_block/cheri_block_tolerances.h, held by the C++
+  // tests too): element-wise for the exact paths (every CPU path, the plane passes, the training
+  // path in half precision), relative to the tensor for the CUDA fast paths: the inference kernel
+  // (float16 operands) and the float32 training path with TF32 products (the options' default).
+  const bool cuda = ctx.device.kind == DeviceKind::CUDA;
+  const bool tf32 = cuda && c.dtype == kF32 && options.allow_tf32;
+  const testing::Tolerance tol = testing::cheri_elementwise_tolerance(c.dtype);
+  const testing::Tolerance wtol = testing::cheri_weight_grad_tolerance(c.weight_dtype, c.n * c.l);
+  const double tf32_weights = testing::cheri_tf32_weight_grad_bound(c.n * c.l);
+  const auto training = [&](const HostTensor& expected, const testing::Tolerance& exact,
+                            double bound) {
+    return tf32 ? testing::cheri_relative_to_max(expected, bound) : exact;
+  };
   const std::string shape = shape_name(c), layout = layout_text(c);
   using Outs = std::vector<DeviceTensor>;
 
@@ -211,7 +203,9 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
         dilated_conv_norm(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.conv_weight.view,
                           conv_options);
       },
-      {{"y", norm.y, tol}, {"mean", norm.mean, kStatTolerance}, {"rstd", norm.rstd, kStatTolerance}});
+      {{"y", norm.y, tol},
+       {"mean", norm.mean, testing::cheri_mean_tolerance(norm.rstd)},
+       {"rstd", norm.rstd, testing::cheri_stat_tolerance()}});
 
   const testing::ConvNormGradients conv_grads = testing::dilated_conv_norm_backward_reference(
       in.grad_out, in.x, in.w.conv_weight, in.mean, in.rstd, c.dilation);
@@ -233,14 +227,17 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
       [&](const Tensors& t, Outs& outs) {
         cheri_block(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.weights(), options);
       },
-      {{"out", block.out, tol}, {"mean", block.mean, kStatTolerance},
-       {"rstd", block.rstd, kStatTolerance}});
+      {{"out", block.out, training(block.out, tol, 1e-3)},
+       {"mean", block.mean, testing::cheri_mean_tolerance(block.rstd)},
+       {"rstd", block.rstd, testing::cheri_stat_tolerance()}});
   run_pass(
       ctx, {kOp, "inference", shape, layout, c.dtype}, in, c, {{act, c.dtype}},
       [&](const Tensors& t, Outs& outs) {
         cheri_block_inference(outs[0].view, t.x.view, t.weights(), options);
       },
-      {{"out", block.out, tol}});
+      {{"out", block.out,
+        cuda ? testing::cheri_relative_to_max(block.out, testing::cheri_fast_path_bound(c.dtype))
+             : tol}});
 
   const testing::CheriBlockGradients grads = testing::cheri_block_backward_reference(
       in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, options.residual_scale);
@@ -253,10 +250,13 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
                              t.grad_out.view, t.x.view, t.weights(), t.mean_in.view,
                              t.rstd_in.view, options);
       },
-      {{"grad_x", grads.grad_x, tol},
-       {"grads.conv_weight", grads.grads.conv_weight, wtol},
-       {"grads.linear1_weight", grads.grads.linear1, wtol},
-       {"grads.linear2_weight", grads.grads.linear2, wtol}});
+      {{"grad_x", grads.grad_x, training(grads.grad_x, tol, 1e-3)},
+       {"grads.conv_weight", grads.grads.conv_weight,
+        training(grads.grads.conv_weight, wtol, tf32_weights)},
+       {"grads.linear1_weight", grads.grads.linear1,
+        training(grads.grads.linear1, wtol, tf32_weights)},
+       {"grads.linear2_weight", grads.grads.linear2,
+        training(grads.grads.linear2, wtol, tf32_weights)}});
 }
 
 void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
@@ -346,7 +346,7 @@ Op cheri_block_op() {
   return {
       .name = kOp,
       .summary = "Cheri block (dilated depthwise conv, per-example norm, GELU MLP, scaled "
-                 "residual) and dilated_conv_norm, forward and backward; CPU only for now",
+                 "residual) and dilated_conv_norm, forward and backward",
       .bench_shapes =
           "cheri_block, C128 E2 d4, float32 weights: inference N512 L1024 float32 and bfloat16, "
           "N64 L2114 float32; training forward + backward N512 L1024 and N64 L2114 float32 (those "
