@@ -16,6 +16,7 @@
 #include "common/memory.h"
 #include "ops/causal_attention/causal_attention_params.h"
 #include "ops/causal_attention/causal_attention_reference.h"
+#include "ops/causal_attention/causal_attention_tolerances.h"
 #include "test_support.h"
 
 namespace fusekit_test {
@@ -386,33 +387,23 @@ inline void expect_padding_rows_exact(const CausalAttentionResult& got,
 
 // ------------------------------------------------------------------------------------ tolerances
 //
-// The CPU backend works in float32. A score, a sum of D products, carries an absolute error of
-// about sqrt(D) u32 times the size of the scores; through the softmax it becomes an absolute error
-// of the same size in out (whose rows are convex combinations of unit-size rows of v) and in lse.
-// The sums over up to T keys add less for these random terms. Measured against float64 for D of
-// 16 to 256, T of 200 to 1500 and scores of size 1 to 32, the largest errors of out and lse were
-// 8 and 5 of these units; the bounds below allow 20. The Frobenius errors stayed below 5e-6.
+// The policy is the library's own (ops/causal_attention/causal_attention_tolerances.h, shared with
+// `fusekit check`, which says why each bound is what it is); a case gives its dtype, TF32 switch,
+// head dimension and the size of its scores.
 
-/// The size of the scores: their standard deviation for unit-size keys (at least 1).
-inline double score_size(const AttentionCase& c) {
-  return std::max(1.0, scale_of(c) * c.q_stddev * std::sqrt(static_cast<double>(c.d)));
+inline fusekit::testing::AttentionPrecision precision_of(const AttentionCase& c) {
+  return {c.dtype, c.allow_tf32, c.d,
+          fusekit::testing::attention_score_size(scale_of(c), c.q_stddev, c.d)};
 }
 
-/// The unit of the errors above: sqrt(D) u32 times the size of the scores.
-inline double score_error_unit(const AttentionCase& c) {
-  return std::sqrt(static_cast<double>(c.d)) * unit_roundoff(DType::Float32) * score_size(c);
-}
-
-/// out of the CPU backend against float64: the float32 errors, plus for float16 and bfloat16 one
-/// rounding of the output (relative u).
+/// out of the CPU backend against float64.
 inline Tolerance attention_out_tolerance(const AttentionCase& c) {
-  const double u = c.dtype == DType::Float32 ? 0.0 : unit_roundoff(c.dtype);
-  return {20 * score_error_unit(c), u + 1e-6, u + 1e-5};
+  return fusekit::testing::attention_cpu_out_tolerance(precision_of(c));
 }
 
-/// lse, float32 in every dtype.
+/// lse of the CPU backend against float64.
 inline Tolerance attention_lse_tolerance(const AttentionCase& c) {
-  return {20 * score_error_unit(c), 1e-6, 1e-5};
+  return fusekit::testing::attention_cpu_lse_tolerance(precision_of(c));
 }
 
 /// Compares out and lse with float64 and checks the padding rows.
@@ -428,63 +419,15 @@ inline void expect_attention_close(const CausalAttentionResult& got,
 }
 
 // ------------------------------------------------------------------------------------ CUDA
-//
-// float32 without TF32 keeps float32 accuracy (within 1e-5 relative in norm, as the issue asks),
-// but each of its products is three TF32 products of split operands: the small parts' own
-// roundings and the dropped product of the two small parts leave up to about 4 u32 of each
-// product where a float32 product leaves one. So its unit is four times the CPU backend's. It
-// shows at D = 1, where a score is one product and nothing averages: out 38 u32 off at a sharp
-// score, above the CPU backend's 20 units.
-//
-// float32 with TF32, bfloat16 and float16 multiply on tensor cores. Each operand carries one
-// rounding of relative size u_op (2^-11 for TF32 and float16, 2^-8 for bfloat16): the weights p,
-// rounded before p @ v, in every precision; with TF32 also q, k and v. Rounding p moves out by
-// at most u_op times its unit-size rows of v; rounding q and k (TF32) moves each score by about
-// u_op times the size of the scores S, which moves out by as much and lse by as much again, or by
-// up to 4 u_op |lse| where the conversion truncates (2 u_op on each factor of a product, all of
-// one sign, which D = 1 does not average away). Then out is rounded once to float16 or bfloat16
-// (relative u_out, its dtype's unit roundoff). So the unit of these errors is u_op (1 + S) with
-// TF32 and u_op in half precision. In half precision the scores are exact products summed in
-// float32 and the softmax is float32 (its row sums are of the unrounded weights), so lse keeps
-// the float32 bound.
-//
-// In a float64 model of a FlashAttention kernel (blocks of 64 or 128 keys, a running max, p
-// rounded to the operand type, TF32 conversions that round or truncate), over T of 2 to 400, D of
-// 1 to 256, padding and scores of size 0.01 to 64, the largest errors of thousands of runs were,
-// in these units and beyond u_out |out| and 4 u_op |lse| (TF32): out 0.87 (half precision) and
-// 4.1 (TF32) per element, 0.9 u_op (half, u_out included) and 1.6 (TF32, beyond 1e-5) in norm;
-// lse 1.5 (TF32). The bounds below allow about twice that, the budget of twice the error of the
-// same formula computed in that precision: a wrong row, a key block left out or let in, or a
-// softmax max that is not carried across blocks misses them by orders of magnitude in some rows.
-//
-// lse is judged element by element only: a row of one key has its score as lse, near 0 as often
-// as not, so a norm relative to lse's values tells nothing where rows are few.
-
-inline bool tf32_case(const AttentionCase& c) { return c.dtype == DType::Float32 && c.allow_tf32; }
-
-/// The unit above: u_op (1 + S) with TF32, u_op for float16 and bfloat16.
-inline double attention_tensor_core_unit(const AttentionCase& c) {
-  if (tf32_case(c)) return 0x1p-11 * (1 + score_size(c));
-  return unit_roundoff(c.dtype);
-}
 
 /// out of the CUDA backend against float64.
 inline Tolerance attention_cuda_out_tolerance(const AttentionCase& c) {
-  const double f32 = 20 * score_error_unit(c), unit = attention_tensor_core_unit(c);
-  if (c.dtype == DType::Float32 && !c.allow_tf32) return {4 * f32, 1e-6, 1e-5};
-  if (tf32_case(c)) return {f32 + 8 * unit, 1e-6, 1e-5 + 3 * unit};
-  const double u_out = unit_roundoff(c.dtype);
-  return {f32 + 2 * unit, 1e-6 + u_out, 1e-5 + 2 * unit};
+  return fusekit::testing::attention_cuda_out_tolerance(precision_of(c));
 }
 
-/// lse of the CUDA backend against float64, element by element: float32 bounds but for TF32 (and
-/// the split products' unit for float32).
+/// lse of the CUDA backend against float64, element by element.
 inline Tolerance attention_cuda_lse_tolerance(const AttentionCase& c) {
-  constexpr double kNoNorm = std::numeric_limits<double>::infinity();
-  const double f32 = 20 * score_error_unit(c);
-  if (tf32_case(c)) return {f32 + 3 * attention_tensor_core_unit(c), 1e-6 + 4 * 0x1p-11, kNoNorm};
-  if (c.dtype == DType::Float32) return {4 * f32, 1e-6, kNoNorm};  // split products, as for out
-  return {f32, 1e-6, kNoNorm};
+  return fusekit::testing::attention_cuda_lse_tolerance(precision_of(c));
 }
 
 /// Compares the CUDA backend's out and lse with `expected` (float64, or another backend's result

@@ -15,6 +15,7 @@
 #include "fusekit/ops/causal_attention.h"
 #include "ops.h"
 #include "ops/causal_attention/causal_attention_reference.h"
+#include "ops/causal_attention/causal_attention_tolerances.h"
 #include "testing/host_tensor.h"
 
 namespace fusekit::tools {
@@ -105,29 +106,14 @@ const std::vector<CheckCase> kCases = {
     {.b = 1, .hq = 12, .hkv = 12, .t = 1024, .d = 64, .dtype = kBF16, .pad = 100},
 };
 
-// Errors of the CPU backend against float64, the bounds of tests/cpp/causal_attention_support.h:
-// a float32 score carries an absolute error of about sqrt(D) u32 times the size of the scores,
-// which out and lse inherit through the softmax; out and lse are allowed 20 of these units (the
-// largest measured were 8), out in float16 and bfloat16 also its rounding (relative u).
-double score_error_unit(const CheckCase& c) {
+// The bounds of the library's tolerance policy (ops/causal_attention/causal_attention_tolerances.h,
+// held by the C++ tests too), for unit-size inputs at the case's scale and the default options.
+testing::AttentionPrecision precision_of(const CheckCase& c) {
   const double scale = c.scale ? *c.scale : 1.0 / std::sqrt(static_cast<double>(c.d));
-  const double score_size = std::max(1.0, scale * std::sqrt(static_cast<double>(c.d)));
-  return std::sqrt(static_cast<double>(c.d)) * 0x1p-24 * score_size;
-}
-
-testing::Tolerance out_tolerance(const CheckCase& c) {
-  double u = 0;
-  switch (c.dtype) {
-    case DType::Float32: u = 0; break;
-    case DType::BFloat16: u = 0x1p-8; break;
-    case DType::Float16: u = 0x1p-11; break;
-    default: throw Error(detail::concat("check: no tolerance for dtype ", to_string(c.dtype)));
-  }
-  return {.atol = 20 * score_error_unit(c), .rtol = u + 1e-6, .rel = u + 1e-5};
-}
-
-testing::Tolerance lse_tolerance(const CheckCase& c) {
-  return {.atol = 20 * score_error_unit(c), .rtol = 1e-6, .rel = 1e-5};
+  return {.dtype = c.dtype,
+          .allow_tf32 = CausalAttentionOptions{}.allow_tf32,
+          .d = c.d,
+          .score_size = testing::attention_score_size(scale, 1.0, c.d)};
 }
 
 // "B4 Hq8 Hkv2 T256 D64", "B1 H12 T1024 D64" (Hq = Hkv), "T500 D64" (the single-head form).
@@ -215,9 +201,16 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
   const double scale = c.scale ? *c.scale : 1.0 / std::sqrt(static_cast<double>(c.d));
   testing::CausalAttentionResult reference =
       testing::causal_attention_reference(in.q, in.k, in.v, in.n_padd, scale);
-  ctx.runner->run({kOp, "forward", shape_name(c), layout_text(c), c.dtype}, run_on,
-                  {{"out", reshaped(std::move(reference.out), q_shape), out_tolerance(c)},
-                   {"lse", reshaped(std::move(reference.lse), lse_shape), lse_tolerance(c)}});
+  const testing::AttentionPrecision precision = precision_of(c);
+  const bool cuda = ctx.device.kind == DeviceKind::CUDA;
+  const testing::Tolerance cpu_out = testing::attention_cpu_out_tolerance(precision),
+                           cpu_lse = testing::attention_cpu_lse_tolerance(precision);
+  ctx.runner->run(
+      {kOp, "forward", shape_name(c), layout_text(c), c.dtype}, run_on,
+      {{"out", reshaped(std::move(reference.out), q_shape),
+        cuda ? testing::attention_cuda_out_tolerance(precision) : cpu_out, cpu_out},
+       {"lse", reshaped(std::move(reference.lse), lse_shape),
+        cuda ? testing::attention_cuda_lse_tolerance(precision) : cpu_lse, cpu_lse}});
 }
 
 void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }

@@ -227,7 +227,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
       [&](const Tensors& t, Outs& outs) {
         cheri_block(outs[0].view, outs[1].view, outs[2].view, t.x.view, t.weights(), options);
       },
-      {{"out", block.out, training(block.out, tol, 1e-3)},
+      {{"out", block.out, training(block.out, tol, 1e-3), tol},
        {"mean", block.mean, testing::cheri_mean_tolerance(block.rstd)},
        {"rstd", block.rstd, testing::cheri_stat_tolerance()}});
   run_pass(
@@ -237,7 +237,8 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
       },
       {{"out", block.out,
         cuda ? testing::cheri_relative_to_max(block.out, testing::cheri_fast_path_bound(c.dtype))
-             : tol}});
+             : tol,
+        tol}});
 
   const testing::CheriBlockGradients grads = testing::cheri_block_backward_reference(
       in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, options.residual_scale);
@@ -250,13 +251,13 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
                              t.grad_out.view, t.x.view, t.weights(), t.mean_in.view,
                              t.rstd_in.view, options);
       },
-      {{"grad_x", grads.grad_x, training(grads.grad_x, tol, 1e-3)},
+      {{"grad_x", grads.grad_x, training(grads.grad_x, tol, 1e-3), tol},
        {"grads.conv_weight", grads.grads.conv_weight,
-        training(grads.grads.conv_weight, wtol, tf32_weights)},
+        training(grads.grads.conv_weight, wtol, tf32_weights), wtol},
        {"grads.linear1_weight", grads.grads.linear1,
-        training(grads.grads.linear1, wtol, tf32_weights)},
+        training(grads.grads.linear1, wtol, tf32_weights), wtol},
        {"grads.linear2_weight", grads.grads.linear2,
-        training(grads.grads.linear2, wtol, tf32_weights)}});
+        training(grads.grads.linear2, wtol, tf32_weights), wtol}});
 }
 
 void check(const CheckContext& ctx) { check_each(ctx, kCases, check_case); }
