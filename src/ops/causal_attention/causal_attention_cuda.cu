@@ -716,8 +716,31 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int key_end = min(a.t, m0 + C::kBlockM);
   const int key_tiles = key_end > pad ? (key_end - pad + kBlockN - 1) / kBlockN : 0;
 
+  // The producer's copies of key tile i into its ring slot, once the slot's readers are done.
+  const auto copy_key_tile = [&](int i) {
+    const int slot = i % kStages;
+    if (i >= kStages) mbarrier_wait(empty + slot, ((i / kStages) - 1) & 1);
+    const int j0 = pad + i * kBlockN;
+    unsigned char* const kt = key_tile(slot);
+    mbarrier_arrive_expect_bytes(full_k + slot, C::kTileBytes);
+    for (int cb = 0; cb < kColumnBlocks; ++cb) {
+      tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, kvh, b,
+                               full_k + slot);
+    }
+    mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
+    for (int cb = 0; cb < kColumnBlocks; ++cb) {
+      tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0, kvh,
+                               b, full_v + slot);
+    }
+  };
+  // The producer thread sets up the barriers and issues the query rows and the first kStages key
+  // tiles before the block's barrier (the tensor maps' fetch first, under the set-up), so that
+  // the copies start as early as the block does: 0.2 us off the B1 kernel's 11.6 (H200).
   if (key_tiles > 0) {
-    if (threadIdx.x == 0) {
+    if (warp == C::kProducerWarp && lane == 0) {
+      prefetch_tensor_map(&q_map);
+      prefetch_tensor_map(&k_map);
+      prefetch_tensor_map(&v_map);
       mbarrier_init(full_q, 1);
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(full_k + s, 1);
@@ -725,35 +748,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         mbarrier_init(empty + s, C::kReaderWarps);
       }
       mbarrier_init_fence();
-    }
-    __syncthreads();
-  }
-
-  if (warp == C::kProducerWarp) {
-    if (key_tiles > 0 && lane == 0) {
-      prefetch_tensor_map(&q_map);
-      prefetch_tensor_map(&k_map);
-      prefetch_tensor_map(&v_map);
       mbarrier_arrive_expect_bytes(full_q, C::kQueryBytes);
       for (int cb = 0; cb < kColumnBlocks; ++cb) {
         tensor_copy_4d_to_shared(base + cb * C::kBlockM * 128, &q_map, cb * 64, m0, h, b, full_q);
       }
-      for (int i = 0; i < key_tiles; ++i) {
-        const int slot = i % kStages;
-        if (i >= kStages) mbarrier_wait(empty + slot, ((i / kStages) - 1) & 1);
-        const int j0 = pad + i * kBlockN;
-        unsigned char* const kt = key_tile(slot);
-        mbarrier_arrive_expect_bytes(full_k + slot, C::kTileBytes);
-        for (int cb = 0; cb < kColumnBlocks; ++cb) {
-          tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, kvh, b,
-                                   full_k + slot);
-        }
-        mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
-        for (int cb = 0; cb < kColumnBlocks; ++cb) {
-          tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0,
-                                   kvh, b, full_v + slot);
-        }
-      }
+      for (int i = 0; i < min(key_tiles, kStages); ++i) copy_key_tile(i);
+    }
+    __syncthreads();  // the barriers are set up
+  }
+
+  if (warp == C::kProducerWarp) {
+    if (lane == 0) {
+      for (int i = kStages; i < key_tiles; ++i) copy_key_tile(i);
     }
     return;
   }
