@@ -354,8 +354,7 @@ Op cheri_block_op() {
           "on CUDA devices). On the CPU: N8 L1024 inference float32 and bfloat16, training "
           "float32. Bytes: the [N, L, C] tensors once per pass; TFLOP/s: the products, "
           "2 N L C E C each (2 for inference, 8 for training). --quick: N512 L1024 float32 "
-          "inference and training (CPU: N8 float32 inference and training). No CUDA backend yet: "
-          "skipped on CUDA devices.",
+          "inference and training (CPU: N8 float32 inference and training).",
       .check = check,
       .bench = bench,
       .has_cuda_backend = true,
