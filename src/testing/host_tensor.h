@@ -32,6 +32,15 @@ struct HostTensor {
 HostTensor random_normal(std::vector<std::int64_t> shape, std::mt19937_64& rng, double stddev = 1.0);
 /// Rounds every value to the nearest value of `dtype`, as storing it would.
 void round_to(HostTensor& t, DType dtype);
+/// The relative error of one rounding to nearest in a half-precision dtype: 2^-8 for bfloat16,
+/// 2^-11 for float16; 0 for float32, whose roundings tolerances cover with terms of their own.
+inline double half_precision_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::BFloat16: return 0x1p-8;
+    case DType::Float16: return 0x1p-11;
+    default: return 0.0;
+  }
+}
 
 /// How a tensor is laid out in its allocation. The default is contiguous and 256-byte aligned.
 struct Layout {

@@ -107,9 +107,8 @@ const std::vector<CheckCase> kCases = {
 };
 
 // The bounds of the library's tolerance policy (ops/causal_attention/causal_attention_tolerances.h,
-// held by the C++ tests too), for unit-size inputs at the case's scale and the default options.
-testing::AttentionPrecision precision_of(const CheckCase& c) {
-  const double scale = c.scale ? *c.scale : 1.0 / std::sqrt(static_cast<double>(c.d));
+// held by the C++ tests too), for unit-size inputs at the case's `scale` and the default options.
+testing::AttentionPrecision precision_of(const CheckCase& c, double scale) {
   return {.dtype = c.dtype,
           .allow_tf32 = CausalAttentionOptions{}.allow_tf32,
           .d = c.d,
@@ -201,7 +200,7 @@ void check_case(const CheckContext& ctx, const CheckCase& c, std::mt19937_64& rn
   const double scale = c.scale ? *c.scale : 1.0 / std::sqrt(static_cast<double>(c.d));
   testing::CausalAttentionResult reference =
       testing::causal_attention_reference(in.q, in.k, in.v, in.n_padd, scale);
-  const testing::AttentionPrecision precision = precision_of(c);
+  const testing::AttentionPrecision precision = precision_of(c, scale);
   const bool cuda = ctx.device.kind == DeviceKind::CUDA;
   const testing::Tolerance cpu_out = testing::attention_cpu_out_tolerance(precision),
                            cpu_lse = testing::attention_cpu_lse_tolerance(precision);

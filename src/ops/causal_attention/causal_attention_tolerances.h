@@ -66,15 +66,6 @@ inline double attention_score_size(double scale, double q_stddev, std::int64_t d
   return std::max(1.0, scale * q_stddev * std::sqrt(static_cast<double>(d)));
 }
 
-/// One rounding to nearest in a half-precision dtype; 0 for float32.
-inline double attention_output_roundoff(DType dtype) {
-  switch (dtype) {
-    case DType::BFloat16: return 0x1p-8;
-    case DType::Float16: return 0x1p-11;
-    default: return 0.0;
-  }
-}
-
 /// The CPU backend's unit: sqrt(D) u32 times the size of the scores.
 inline double attention_score_error_unit(const AttentionPrecision& p) {
   return std::sqrt(static_cast<double>(p.d)) * 0x1p-24 * p.score_size;
@@ -82,7 +73,7 @@ inline double attention_score_error_unit(const AttentionPrecision& p) {
 
 /// out of the CPU backend: the float32 errors, plus one rounding of a half-precision output.
 inline Tolerance attention_cpu_out_tolerance(const AttentionPrecision& p) {
-  const double u = attention_output_roundoff(p.dtype);
+  const double u = half_precision_roundoff(p.dtype);
   return {20 * attention_score_error_unit(p), u + 1e-6, u + 1e-5};
 }
 
@@ -98,7 +89,7 @@ inline bool attention_uses_tf32(const AttentionPrecision& p) {
 /// The tensor cores' unit: u_op (1 + S) with TF32, u_op for float16 and bfloat16.
 inline double attention_tensor_core_unit(const AttentionPrecision& p) {
   if (attention_uses_tf32(p)) return 0x1p-11 * (1 + p.score_size);
-  return attention_output_roundoff(p.dtype);
+  return half_precision_roundoff(p.dtype);
 }
 
 /// out of the CUDA backend.
@@ -106,7 +97,7 @@ inline Tolerance attention_cuda_out_tolerance(const AttentionPrecision& p) {
   const double f32 = 20 * attention_score_error_unit(p), unit = attention_tensor_core_unit(p);
   if (p.dtype == DType::Float32 && !p.allow_tf32) return {4 * f32, 1e-6, 1e-5};
   if (attention_uses_tf32(p)) return {f32 + 8 * unit, 1e-6, 1e-5 + 3 * unit};
-  const double u_out = attention_output_roundoff(p.dtype);
+  const double u_out = half_precision_roundoff(p.dtype);
   return {f32 + 2 * unit, 1e-6 + u_out, 1e-5 + 2 * unit};
 }
 

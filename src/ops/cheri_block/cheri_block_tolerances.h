@@ -29,19 +29,9 @@
 
 namespace fusekit::testing {
 
-/// One rounding to nearest in a half-precision dtype; 0 for float32, whose error the 1e-5 terms
-/// below cover.
-inline double cheri_output_roundoff(DType dtype) {
-  switch (dtype) {
-    case DType::BFloat16: return 0x1p-8;
-    case DType::Float16: return 0x1p-11;
-    default: return 0.0;
-  }
-}
-
 /// y, out and grad_x of the exact paths.
 inline Tolerance cheri_elementwise_tolerance(DType dtype) {
-  const double u = cheri_output_roundoff(dtype);
+  const double u = half_precision_roundoff(dtype);
   return {1e-5, u + 1e-5, u + 1e-5};
 }
 
@@ -63,7 +53,7 @@ inline Tolerance cheri_mean_tolerance(const HostTensor& expected_rstd) {
 /// relative (Frobenius), since a tensor of a few elements, some of them sums whose terms cancel,
 /// keeps their error (1.3e-5 seen at 3 x 3).
 inline Tolerance cheri_weight_grad_tolerance(DType weight_dtype, std::int64_t rows) {
-  const double u = cheri_output_roundoff(weight_dtype);
+  const double u = half_precision_roundoff(weight_dtype);
   const double n = static_cast<double>(std::max<std::int64_t>(1, rows));
   return {1e-5 * std::sqrt(n), u + 1e-5, u + 4e-5};
 }
