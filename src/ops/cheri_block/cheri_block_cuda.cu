@@ -72,6 +72,7 @@ constexpr int kStatsUnroll = 2;                 // rows whose loads a thread iss
 // blocks an SM holds.
 constexpr std::size_t kStatsStageBytes = 40960;
 constexpr int kStatsStagedBlocks = 4;
+constexpr int kFrontScratchFloats = 32;  // the front kernel's weight norms and tile bounds
 constexpr std::int64_t kSliceRows = 4096;      // rows per slice of the weight-gradient products
 constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -1833,27 +1834,73 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // The front of the training backward on the same machinery (sm_90a, float32 x with TF32
 // allowed): per warpgroup tile of 64 rows, y (conv + norm) and grad_out as float16 A fragments,
 // then per 64 hidden columns h = y W1^T and e = grad_out W2 as two wgmma chains on the tile, and
-// in float32 g = GELU(h), dg = residual_scale e GELU'(h). It writes y, g and dg (float32, dense
-// [N L, C] and [N L, E C]) for the weight-gradient products and dy = dg W1, replacing four passes
-// (conv + norm, two products, GELU and GELU') over float32 buffers. Each row of grad_out is scaled
-// by a power of two that brings its largest value into [2^14, 2^15) before its rounding to
-// float16, so that gradients of any size keep TF32's 10 bits of mantissa (values below 2^-28 of
-// their row's largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100
-// only. W2^T [E C, C] arrives packed, so that both products read their B operand as the
-// inference kernel reads linear1.
+// in float32 g = GELU(h), dg = residual_scale e GELU'(h). It writes y, grad_out, g and dg as
+// float16 (FrontOut) for weight_grad_kernel, replacing four passes (conv + norm, two products,
+// GELU and GELU') over float32 buffers. Each row of grad_out is scaled by a power of two that
+// brings its largest value into [2^14, 2^15) before its rounding to float16 for the products here,
+// so that gradients of any size keep TF32's 10 bits of mantissa (values below 2^-28 of their row's
+// largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100 only. What it
+// writes is scaled per tile instead (tile_exponent), from bounds known before the products: the
+// largest value of grad_out, |h| <= |y_r| max_j |W1_j| for g, |e| <= |grad_out_r| max_j |W2^T_j|
+// and |GELU'| < 1.13 for dg (so a tile's values stay below 2^15 and keep 10 bits). y needs no
+// scale: |y| <= sqrt(L C) (bench/NOTES.md). W2^T [E C, C] arrives packed, so that both products
+// read their B operand as the inference kernel reads linear1.
 // It also writes, per row r, sum_c dy[r, c] and sum_c dy[r, c] y[r, c] for the norm's backward,
 // without dy = dg W1: they are sum_j dg[r, j] u_j (u = W1 1, the row sums of linear1) and
 // sum_j dg[r, j] h[r, j] (h = y W1^T), from the accumulators.
 template <int kC>
 std::size_t front_smem_bytes(std::int64_t hidden) {
-  return wgmma_smem_bytes<float, kC>(hidden) + static_cast<std::size_t>(hidden) * sizeof(float);
+  return wgmma_smem_bytes<float, kC>(hidden) + static_cast<std::size_t>(hidden) * sizeof(float) +
+         kFrontScratchFloats * sizeof(float);
 }
+
+/// Four 4-byte pieces of a row held by the four lanes of a quad, lane q holding the pieces at
+/// columns 8 a + 2 q (a = 0 .. 3, two float16 each), exchanged (a 4 x 4 transpose, two shuffle
+/// steps) so that lane q holds columns 8 q .. 8 q + 7 in v[0 .. 3]: one 16-byte store instead of
+/// four 4-byte ones, which the memory system would take as four partial sectors.
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4], int q) {
+#pragma unroll
+  for (int step = 1; step <= 2; step *= 2) {
+    const bool upper = (q & step) != 0;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if ((a & step) != 0) continue;
+      const std::uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? v[a] : v[a ^ step], step);
+      (upper ? v[a] : v[a ^ step]) = got;
+    }
+  }
+}
+
+/// Stores `v` (after quad_transpose) as the 8 float16 at columns 8 q .. of a 32-column group.
+__device__ __forceinline__ void store_quad(__half* group, const std::uint32_t (&v)[4], int q) {
+  *reinterpret_cast<uint4*>(group + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+/// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], each 64-row
+/// tile t of the last three scaled by 2^exps[k tiles + t] (k = 0, 1, 2).
+struct FrontOut {
+  __half* y;
+  __half* go;
+  __half* g;
+  __half* dg;
+  int* exps;
+};
+
+/// The exponent e of a power of two that brings `bound` into [2^14, 2^15): at most 100 (so that
+/// zeros and tiny values are not scaled without end); 0 where the bound is not finite (NaN and
+/// infinity then stay what they are).
+__device__ __forceinline__ int tile_exponent(float bound) {
+  const int e = (__float_as_int(bound) >> 23) & 0xff;  // biased; bound >= 0
+  return e == 0xff ? 0 : min(141 - e, 100);
+}
+
+/// 2^e as a float (e in [-126, 127]).
+__device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
 
 template <int kC>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_backward_front_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
-                                const float* w2t, float* y, float* gelu_h, float* dg,
-                                float* row_sums) {
+                                const float* w2t, const FrontOut out, float* row_sums) {
   using T = float;
   constexpr int kLdX = kXTileLd<kC>;
   constexpr int kKSteps = kC / 16;
@@ -1866,17 +1913,34 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* xs_all = shared.xs;
   float* cw = shared.cw;
   float* u = cw + 3 * kC;  // [E C]: the row sums of linear1
+  float* norms = u + hidden;  // [2]: the largest |W1_j| and |W2^T_j| (as int bits, for atomicMax)
+  float* maxima = norms + 2;  // [2 warpgroups][4 warps][3]: a tile's bounds (see FrontOut)
 
   stage_swizzled(w1, hidden, kC, w1s);
   stage_swizzled(w2t, hidden, kC, w2s);
   for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
+  if (threadIdx.x < 2) norms[threadIdx.x] = 0.0f;
+  __syncthreads();
   for (int j = threadIdx.x; j < hidden; j += kThreads) {
-    float sum = 0.0f;
-    for (int c = 0; c < kC; ++c) sum += w1[static_cast<std::size_t>(j) * kC + c];
+    float sum = 0.0f, square1 = 0.0f, square2 = 0.0f;
+    const auto* a4 = reinterpret_cast<const float4*>(w1 + static_cast<std::size_t>(j) * kC);
+    const auto* b4 = reinterpret_cast<const float4*>(w2t + static_cast<std::size_t>(j) * kC);
+#pragma unroll 8
+    for (int c = 0; c < kC / 4; ++c) {
+      const float4 a = __ldg(a4 + c), b = __ldg(b4 + c);
+      sum += (a.x + a.y) + (a.z + a.w);
+      square1 = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, square1))));
+      square2 = fmaf(b.x, b.x, fmaf(b.y, b.y, fmaf(b.z, b.z, fmaf(b.w, b.w, square2))));
+    }
     u[j] = sum;
+    // non-negative floats order as their bits (NaN, bits above infinity's, wins too)
+    atomicMax(reinterpret_cast<int*>(norms), __float_as_int(sqrtf(square1)));
+    atomicMax(reinterpret_cast<int*>(norms) + 1, __float_as_int(sqrtf(square2)));
   }
   fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
   __syncthreads();
+  // The products read the weights rounded to float16: their norms grow by at most 2^-11.
+  const float w1_norm = norms[0] * 1.001f, w2_norm = norms[1] * 1.001f;
 
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
   const int lane = t % kWarpSize, g = lane / 4, q = lane % 4, r0 = 16 * (t / kWarpSize);
@@ -1904,25 +1968,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The thread's rows r0 + g + 8 h2 of the tile: y out, grad_out in (scaled per row).
     std::uint32_t ad[kKSteps][4];
     float unscale[2];  // residual_scale / the row's power of two
+    float2 v[2][kKSteps][2];
+    float bound[3] = {0.0f, 0.0f, 0.0f};  // of the thread's rows: grad_out, g, dg
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
       const PlaneRow at = plane_row(first, r0 + g + 8 * h2, len);
       const bool live = at.n < p.n;
-      float2 v[kKSteps][2];
-      float largest = 0.0f;
+      float largest = 0.0f, y_square = 0.0f;
       const float* go = live ? row_of<T>(p.grad_out, at.n, at.l) : nullptr;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int c = 16 * ks + 8 * j + 2 * q;
-          v[ks][j] = live ? *reinterpret_cast<const float2*>(go + c) : make_float2(0.0f, 0.0f);
-          largest = fmaxf(largest, fmaxf(fabsf(v[ks][j].x), fabsf(v[ks][j].y)));
-          if (live) {
-            *reinterpret_cast<float2*>(y + row * kC + c) = unpack_half2(af[ks][2 * j + h2]);
-          }
+          v[h2][ks][j] = live ? *reinterpret_cast<const float2*>(go + c) : make_float2(0.0f, 0.0f);
+          largest = fmaxf(largest, fmaxf(fabsf(v[h2][ks][j].x), fabsf(v[h2][ks][j].y)));
+          const float2 yv = unpack_half2(af[ks][2 * j + h2]);
+          y_square = fmaf(yv.x, yv.x, fmaf(yv.y, yv.y, y_square));
         }
+      }
+      // y: the pieces of 32-column group m are af[2 m + a / 2][2 (a % 2) + h2], a = 0 .. 3
+#pragma unroll
+      for (int m = 0; m < kC / 32; ++m) {
+        std::uint32_t piece[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) piece[a] = af[2 * m + a / 2][2 * (a % 2) + h2];
+        quad_transpose(piece, q);
+        if (live) store_quad(out.y + row * kC + 32 * m, piece, q);
       }
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
@@ -1932,12 +2005,57 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int b = min(268 - e, 227);
       const float scale = __int_as_float(b << 23);
       unscale[h2] = p.residual_scale * __int_as_float((254 - b) << 23);
+      float d_square = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          ad[ks][2 * j + h2] = pack_half2(v[ks][j].x * scale, v[ks][j].y * scale);
+          ad[ks][2 * j + h2] = pack_half2(v[h2][ks][j].x * scale, v[h2][ks][j].y * scale);
+          const float2 dv = unpack_half2(ad[ks][2 * j + h2]);
+          d_square = fmaf(dv.x, dv.x, fmaf(dv.y, dv.y, d_square));
         }
+      }
+      for (int mask = 1; mask <= 2; mask *= 2) {
+        y_square += __shfl_xor_sync(0xffffffffu, y_square, mask);
+        d_square += __shfl_xor_sync(0xffffffffu, d_square, mask);
+      }
+      bound[0] = fmaxf(bound[0], largest);
+      bound[1] = fmaxf(bound[1], fmaxf(sqrtf(y_square) * w1_norm, 0.2f));
+      bound[2] = fmaxf(bound[2], sqrtf(d_square) * w2_norm * fabsf(unscale[h2]) * 1.13f);
+    }
+    // The tile's bounds: over the warp's rows, then the warpgroup's four warps.
+    float* tile_max = maxima + 12 * wg;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      for (int mask = 4; mask < kWarpSize; mask *= 2) {
+        bound[k] = fmaxf(bound[k], __shfl_xor_sync(0xffffffffu, bound[k], mask));
+      }
+      if (lane == 0) tile_max[3 * (t / kWarpSize) + k] = bound[k];
+    }
+    sync_warpgroup();
+    int exps[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const float most = fmaxf(fmaxf(tile_max[k], tile_max[3 + k]),
+                               fmaxf(tile_max[6 + k], tile_max[9 + k]));
+      exps[k] = tile_exponent(most);
+      if (t == 0) out.exps[k * tiles + tile] = exps[k];
+    }
+    const float go_scale = power_of_two(exps[0]), g_scale = power_of_two(exps[1]),
+                dg_scale = power_of_two(exps[2]);
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+#pragma unroll
+      for (int m = 0; m < kC / 32; ++m) {
+        std::uint32_t piece[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          const float2 x = v[h2][2 * m + a / 2][a % 2];
+          piece[a] = pack_half2(x.x * go_scale, x.y * go_scale);
+        }
+        quad_transpose(piece, q);
+        if (row < rows) store_quad(out.go + row * kC + 32 * m, piece, q);
       }
     }
 
@@ -1966,21 +2084,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
-        if (row >= rows) continue;
-        float* g_row = gelu_h + row * hidden + hc + 2 * q;
-        float* dg_row = dg + row * hidden + hc + 2 * q;
 #pragma unroll
-        for (int j = 0; j < kWgHidden / 8; ++j) {
-          const int i = 4 * j + 2 * h2;
-          const GeluAndGrad a = gelu_tanh_and_grad(acc_h[i]);
-          const GeluAndGrad b = gelu_tanh_and_grad(acc_h[i + 1]);
-          const float2 d = make_float2(acc_e[i] * unscale[h2] * a.grad,
-                                       acc_e[i + 1] * unscale[h2] * b.grad);
-          *reinterpret_cast<float2*>(g_row + 8 * j) = make_float2(a.value, b.value);
-          *reinterpret_cast<float2*>(dg_row + 8 * j) = d;
-          const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
-          sum_dy[h2] += d.x * uj.x + d.y * uj.y;
-          sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
+        for (int m = 0; m < kWgHidden / 32; ++m) {
+          std::uint32_t g_piece[4], dg_piece[4];
+#pragma unroll
+          for (int a = 0; a < 4; ++a) {
+            const int j = 4 * m + a, i = 4 * j + 2 * h2;
+            const GeluAndGrad ga = gelu_tanh_and_grad(acc_h[i]);
+            const GeluAndGrad gb = gelu_tanh_and_grad(acc_h[i + 1]);
+            const float2 d = make_float2(acc_e[i] * unscale[h2] * ga.grad,
+                                         acc_e[i + 1] * unscale[h2] * gb.grad);
+            g_piece[a] = pack_half2(ga.value * g_scale, gb.value * g_scale);
+            dg_piece[a] = pack_half2(d.x * dg_scale, d.y * dg_scale);
+            const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
+            sum_dy[h2] += d.x * uj.x + d.y * uj.y;
+            sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
+          }
+          quad_transpose(g_piece, q);
+          quad_transpose(dg_piece, q);
+          if (row < rows) {
+            store_quad(out.g + row * hidden + hc + 32 * m, g_piece, q);
+            store_quad(out.dg + row * hidden + hc + 32 * m, dg_piece, q);
+          }
         }
       }
     }
@@ -1999,6 +2124,224 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   cp_async_wait<0>();
+}
+
+// The weight gradients from the front kernel's float16 tiles (FrontOut), and dy:
+//   part[b] = alpha sum over the rows r of block b's tiles of A[r, :]^T B[r, :]
+// for A [rows, MA] and B [rows, NB] float16, whose 64-row tile t was stored scaled by 2^ea[t] and
+// 2^eb[t] (eb null: not scaled); sum_partials then adds the blocks' parts [grid][MA][NB] in a
+// fixed order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring
+// of kStages stages (as many as fit beside W1: 3 with kDy, else 4); each of its 8 warps owns a square piece of the output (64 or 32 on a
+// side), on float16 MMAs with float32 accumulation. One accumulator serves every tile: a tile's A
+// fragments are multiplied by 2^(E - E_t) (E_t = ea[t] + eb[t], E the smallest of the block's:
+// exact powers of two, at most 1; only a tile below 2^-10 of the block's largest loses bits), and
+// the piece by 2^-E at the end.
+// With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] in float32,
+// each tile's rows from its stage (W1 in shared memory as float16, scaled by a power of two that
+// brings its largest value into [2^14, 2^15)).
+constexpr int kGradThreads = 256;
+template <bool kDy>
+constexpr int kGradStages = kDy ? 3 : 4;
+
+template <int MA, int NB>
+struct GradShape {
+  static constexpr int kPiece = MA * NB >= 8 * 64 * 64 ? 64 : 32;  // a warp's piece, square
+  static constexpr int kWarpsN = NB / kPiece;
+  static_assert((MA / kPiece) * kWarpsN == kGradThreads / kWarpSize, "8 pieces");
+  static constexpr int kPitchA = MA + 8, kPitchB = NB + 8;  // halves: ldmatrix rows on all banks
+  static constexpr int kStageHalves = kWgRows * (kPitchA + kPitchB);
+};
+
+template <int MA, int NB, bool kDy>
+constexpr std::size_t grad_smem_bytes() {
+  return sizeof(__half) * (kGradStages<kDy> * GradShape<MA, NB>::kStageHalves +
+                           (kDy ? MA * GradShape<MA, NB>::kPitchB : 0));
+}
+
+template <int MA, int NB, bool kDy>
+__global__ void __launch_bounds__(kGradThreads, 1)
+    weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
+                       std::int64_t rows, float alpha, float* part, const float* w1, float* dy) {
+  using S = GradShape<MA, NB>;
+  constexpr int kStages = kGradStages<kDy>;
+  constexpr int kPiece = S::kPiece, kPitchA = S::kPitchA, kPitchB = S::kPitchB;
+  constexpr int kMT = kPiece / 16, kNT = kPiece / 8;
+  extern __shared__ __align__(16) unsigned char grad_raw[];
+  auto* stages = reinterpret_cast<__half*>(grad_raw);
+  __half* w1s = stages + kStages * S::kStageHalves;  // kDy: [MA][kPitchB]
+  const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+  const int g = lane / 4, q = lane % 4;
+  const std::int64_t tiles = ceil_div(rows, static_cast<std::int64_t>(kWgRows));
+  const std::int64_t per = tiles / gridDim.x, extra = tiles % gridDim.x;
+  const std::int64_t t0 = blockIdx.x * per + min(static_cast<std::int64_t>(blockIdx.x), extra);
+  const std::int64_t t1 = t0 + per + (blockIdx.x < extra ? 1 : 0);
+
+  const auto load_tile = [&](std::int64_t tile, int stage) {
+    __half* as = stages + stage * S::kStageHalves;
+    __half* bs = as + kWgRows * kPitchA;
+    constexpr int kAPieces = kWgRows * MA / 8, kBPieces = kWgRows * NB / 8;
+#pragma unroll 4
+    for (int i = t; i < kAPieces + kBPieces; i += kGradThreads) {
+      const bool in_a = i < kAPieces;
+      const int k = in_a ? i : i - kAPieces, width = in_a ? MA : NB;
+      const int r = k / (width / 8), c = (k % (width / 8)) * 8;
+      const std::int64_t row = tile * kWgRows + r;
+      const bool valid = row < rows;  // rows past the end read as zeros
+      const __half* src = (in_a ? a + (valid ? row : 0) * MA : b + (valid ? row : 0) * NB) + c;
+      cp_async_16_or_zero((in_a ? as + r * kPitchA : bs + r * kPitchB) + c, src, valid);
+    }
+  };
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (t0 + s < t1) load_tile(t0 + s, s);
+    cp_async_commit();
+  }
+
+  // The block's smallest tile exponent (every warp finds the same).
+  int e_min = std::numeric_limits<int>::max();
+  for (std::int64_t i = t0 + lane; i < t1; i += kWarpSize) {
+    e_min = min(e_min, ea[i] + (eb ? eb[i] : 0));
+  }
+  for (int mask = 1; mask < kWarpSize; mask *= 2) {
+    e_min = min(e_min, __shfl_xor_sync(0xffffffffu, e_min, mask));
+  }
+
+  // dy's operand W1 [MA = E C][NB = C], and its exponent.
+  int w_exp = 0;
+  if constexpr (kDy) {
+    __shared__ int largest;
+    if (t == 0) largest = 0;
+    __syncthreads();
+    int most = 0;
+    for (int i = t; i < MA * NB; i += kGradThreads) most = max(most, __float_as_int(fabsf(w1[i])));
+    atomicMax(&largest, most);
+    __syncthreads();
+    w_exp = tile_exponent(__int_as_float(largest));
+    const float scale = power_of_two(w_exp);
+    for (int i = t; i < MA * NB / 2; i += kGradThreads) {
+      const float2 v = reinterpret_cast<const float2*>(w1)[i];
+      const int r = 2 * i / NB, c = 2 * i % NB;
+      *reinterpret_cast<std::uint32_t*>(w1s + r * kPitchB + c) = pack_half2(v.x * scale, v.y * scale);
+    }
+  }
+
+  const int m_base = (warp / S::kWarpsN) * kPiece, n_base = (warp % S::kWarpsN) * kPiece;
+  float acc[kMT][kNT][4];
+#pragma unroll
+  for (auto& m : acc) {
+#pragma unroll
+    for (auto& n : m) n[0] = n[1] = n[2] = n[3] = 0.0f;
+  }
+  // a tile's exponents, loaded a tile ahead (they are needed at the start of its products)
+  const auto exponents = [&](std::int64_t tile) {
+    return tile < t1 ? make_int2(ea[tile], eb ? eb[tile] : 0) : make_int2(0, 0);
+  };
+  int2 e_next = exponents(t0);
+  for (std::int64_t tile = t0; tile < t1; ++tile) {
+    const int stage = static_cast<int>((tile - t0) % kStages);
+    const int2 e_tile = e_next;
+    e_next = exponents(tile + 1);
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // the tile landed for every thread; the stage refilled below is free
+    {
+      const std::int64_t next = tile + kStages - 1;
+      if (next < t1) load_tile(next, static_cast<int>((next - t0) % kStages));
+      cp_async_commit();
+    }
+    const __half* as = stages + stage * S::kStageHalves;
+    const __half* bs = as + kWgRows * kPitchA;
+    const int shift = e_min - (e_tile.x + e_tile.y);  // <= 0
+    const __half2 factor = __float2half2_rn(shift < -30 ? 0.0f : ldexpf(1.0f, shift));
+#pragma unroll
+    for (int ks = 0; ks < kWgRows / 16; ++ks) {
+      // A^T fragments: A is stored [k = row][m]; B fragments from [k = row][n]; both transposed.
+      std::uint32_t af[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        ldmatrix_x4_trans(af[mt], as + (16 * ks + lane % 8 + 8 * (lane / 16)) * kPitchA + m_base +
+                                      16 * mt + 8 * ((lane / 8) % 2));
+#pragma unroll
+        for (auto& r : af[mt]) {
+          const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&r), factor);
+          r = *reinterpret_cast<const std::uint32_t*>(&v);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        std::uint32_t bf[4];
+        ldmatrix_x4_trans(bf, bs + (16 * ks + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchB + n_base +
+                                  16 * np + 8 * (lane / 16));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+          mma_16816(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    if constexpr (kDy) {
+      // dy [64 rows][NB] = A_tile [64][MA] W1 [MA][NB]: warps of 32 columns by 64 / (8 / (NB / 32))
+      // rows.
+      constexpr int kDyWarpsN = NB / 32, kDyRows = kWgRows / (kGradThreads / kWarpSize / kDyWarpsN);
+      constexpr int kDyMT = kDyRows / 16;
+      const int dm = (warp / kDyWarpsN) * kDyRows, dn = (warp % kDyWarpsN) * 32;
+      float dacc[kDyMT][4][4];
+#pragma unroll
+      for (auto& m : dacc) {
+#pragma unroll
+        for (auto& n : m) n[0] = n[1] = n[2] = n[3] = 0.0f;
+      }
+#pragma unroll 4
+      for (int ks = 0; ks < MA / 16; ++ks) {
+        std::uint32_t af[kDyMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kDyMT; ++mt) {
+          ldmatrix_x4(af[mt], as + (dm + 16 * mt + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchA +
+                                  16 * ks + 8 * (lane / 16));
+        }
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          std::uint32_t bf[4];
+          ldmatrix_x4_trans(bf, w1s + (16 * ks + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchB + dn +
+                                    16 * np + 8 * (lane / 16));
+#pragma unroll
+          for (int mt = 0; mt < kDyMT; ++mt) {
+            mma_16816(dacc[mt][2 * np], af[mt], bf[0], bf[1]);
+            mma_16816(dacc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+          }
+        }
+      }
+      const int unscale = -(e_tile.x + w_exp);
+#pragma unroll
+      for (int mt = 0; mt < kDyMT; ++mt) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const std::int64_t row = tile * kWgRows + dm + 16 * mt + g + 8 * h2;
+          if (row >= rows) continue;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * nt + 2 * q) =
+                make_float2(ldexpf(dacc[mt][nt][2 * h2], unscale),
+                            ldexpf(dacc[mt][nt][2 * h2 + 1], unscale));
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  // The piece, times alpha 2^-E (no tiles: zeros).
+  float* dst = part + static_cast<std::int64_t>(blockIdx.x) * MA * NB;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int m = m_base + 16 * mt + g + 8 * h2;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const float x0 = t0 < t1 ? alpha * ldexpf(acc[mt][nt][2 * h2], -e_min) : 0.0f;
+        const float x1 = t0 < t1 ? alpha * ldexpf(acc[mt][nt][2 * h2 + 1], -e_min) : 0.0f;
+        *reinterpret_cast<float2*>(dst + m * NB + n_base + 8 * nt + 2 * q) = make_float2(x0, x1);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------ host
@@ -2574,10 +2917,11 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
 }
 
 /// Whether the backward's front kernel for C = kC takes this call: float32 with TF32 allowed,
-/// rows of x and grad_out aligned, and the inference kernel's conditions.
+/// rows of x and grad_out aligned, E = 2 (weight_grad_kernel's shapes), and the inference
+/// kernel's conditions.
 template <typename T, int kC>
 bool front_fits(const CheriBlockParams& p, int device) {
-  return std::is_same_v<T, float> && use_tf32(p) && p.c == kC &&
+  return std::is_same_v<T, float> && use_tf32(p) && p.c == kC && p.hidden == 2 * kC &&
          rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_out, p, sizeof(T)) &&
          warpgroup_kernel_fits(p, device, front_smem_bytes<kC>(p.hidden));
 }
@@ -2585,8 +2929,8 @@ bool front_fits(const CheriBlockParams& p, int device) {
 /// The front kernel, then mean(dy) and mean(dy y) of every example into means [N, 2].
 template <int kC>
 void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
-                    const float* w2t, float* y, float* gelu_h, float* dg, float* row_sums,
-                    float* means, int device, cudaStream_t stream) {
+                    const float* w2t, const FrontOut& out, float* row_sums, float* means,
+                    int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
   const auto kernel = cheri_backward_front_kernel<kC>;
   allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed, true, [&] {
@@ -2595,14 +2939,78 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
-  kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, y,
-                                                                       gelu_h, dg, row_sums);
+  kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, out,
+                                                                       row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
   constexpr int kFinalizeThreads = 128;  // 4 examples a block
   row_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
                              kFinalizeThreads, 0, stream>>>(
       row_sums, p.n, p.l, static_cast<double>(p.l * p.c), means);
   FUSEKIT_CUDA_CHECK_LAUNCH("row_sums_finalize_kernel");
+}
+
+/// weight_grad_kernel over `tiles` 64-row tiles on `grid` blocks (each kernel's shared memory
+/// allowed once per device).
+template <int MA, int NB, bool kDy>
+void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea, const int* eb,
+                 std::int64_t rows, float alpha, float* part, const float* w1, float* dy,
+                 int device, cudaStream_t stream) {
+  static std::atomic<bool> allowed[kMaxDevices];
+  const auto kernel = weight_grad_kernel<MA, NB, kDy>;
+  constexpr std::size_t kBytes = grad_smem_bytes<MA, NB, kDy>();
+  allow_shared_memory(kernel, kBytes, device, allowed, false, [&] {
+    return concat(kOp, ": the weight-gradient kernel (", MA, " x ", NB, ")");
+  });
+  kernel<<<grid, kGradThreads, kBytes, stream>>>(a, b, ea, eb, rows, alpha, part, w1, dy);
+  FUSEKIT_CUDA_CHECK_LAUNCH("weight_grad_kernel");
+}
+
+/// The backward where the front kernel takes the call (front_fits): the front kernel's float16
+/// intermediates, the weight gradients and dy from weight_grad_kernel (one block an SM, each a
+/// range of tiles, their parts added in a fixed order), then the norm's and convolution's
+/// backward.
+template <int kC>
+void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  constexpr std::int64_t kH = 2 * kC;
+  const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, static_cast<std::int64_t>(kWgRows));
+  const auto grid = static_cast<unsigned>(
+      std::min<std::int64_t>(tiles, multiprocessor_count(device)));
+  const auto halves = [](std::int64_t count) {
+    return static_cast<std::size_t>(count) * sizeof(__half);
+  };
+  Carve carve;
+  const std::size_t o_conv = carve.take(floats(3 * kC)), o_w1 = carve.take(floats(kH * kC)),
+                    o_w2 = carve.take(floats(kC * kH)), o_y = carve.take(halves(rows * kC)),
+                    o_go = carve.take(halves(rows * kC)), o_g = carve.take(halves(rows * kH)),
+                    o_dg = carve.take(halves(rows * kH)),
+                    o_exps = carve.take(static_cast<std::size_t>(3 * tiles) * sizeof(int)),
+                    o_dy = carve.take(floats(rows * kC)),
+                    o_p1 = carve.take(floats(grid * kH * kC)),
+                    o_p2 = carve.take(floats(grid * kC * kH)), o_rows = carve.take(floats(2 * rows)),
+                    o_means = carve.take(floats(2 * p.n));
+  const StreamWorkspace ws(carve.total(), stream);
+  const float* conv_w = dense_float32(p.conv_weight, 3, kC, at<float>(ws, o_conv), device, stream);
+  const float* w1 = dense_float32(p.linear1, kH, kC, at<float>(ws, o_w1), device, stream);
+  // W2^T [E C, C]: the front kernel's B operand, read as the forward's products read theirs.
+  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
+                                  {p.linear2.stride[1], p.linear2.stride[0]}};
+  float* w2t = at<float>(ws, o_w2);
+  pack(w2_transposed, kH, kC, w2t, device, stream);
+  const FrontOut out{at<__half>(ws, o_y), at<__half>(ws, o_go), at<__half>(ws, o_g),
+                     at<__half>(ws, o_dg), at<int>(ws, o_exps)};
+  float* dy = at<float>(ws, o_dy);
+  float* part1 = at<float>(ws, o_p1);
+  float* part2 = at<float>(ws, o_p2);
+  float* means = at<float>(ws, o_means);
+  backward_front<kC>(p, conv_w, w1, w2t, out, at<float>(ws, o_rows), means, device, stream);
+  // grad W1 = dg^T y and dy = dg W1; grad W2 = residual_scale grad_out^T g
+  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * tiles, nullptr, rows, 1.0f, part1,
+                            w1, dy, device, stream);
+  weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + tiles, rows,
+                             p.residual_scale, part2, nullptr, nullptr, device, stream);
+  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream);
+  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream);
+  conv_norm_backward<float, float>(p, conv_w, dense(dy, p), true, device, stream, means);
 }
 
 /// The block's backward through float32 buffers and cuBLASLt. With dz = residual_scale grad_out
@@ -2615,23 +3023,22 @@ template <typename T>
 void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const bool tf32 = use_tf32(p);
   const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
+  if (rows > 0 && front_fits<T, 128>(p, device)) return block_backward_front<128>(p, device, stream);
+  if (rows > 0 && front_fits<T, 64>(p, device)) return block_backward_front<64>(p, device, stream);
   const std::int64_t slices = ceil_div(rows, kSliceRows);
   const std::int64_t ld_go = matrix_ld<T>(p.grad_out, p);
-  const int front = front_fits<T, 128>(p, device) ? 128 : front_fits<T, 64>(p, device) ? 64 : 0;
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
                     o_w2 = carve.take(floats(c * h)), o_y = carve.take(floats(rows * c)),
                     o_dz = carve.take(floats(ld_go ? 0 : rows * c)),
                     o_h = carve.take(floats(rows * h)), o_dg = carve.take(floats(rows * h)),
                     o_p1 = carve.take(floats(slices * h * c)),
-                    o_p2 = carve.take(floats(slices * c * h)),
-                    o_rows = carve.take(floats(front ? 2 * rows : 0)),
-                    o_means = carve.take(floats(front ? 2 * p.n : 0));
+                    o_p2 = carve.take(floats(slices * c * h));
   const StreamWorkspace ws(carve.total(), stream);
   const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
   const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
-  // W2^T [E C, C]: the front kernel's B operand, and for cuBLASLt a B read as the forward's
-  // products read theirs (K contiguous; 299 against 381 us at N512 L1024 C128 on H100).
+  // W2^T [E C, C]: for cuBLASLt a B read as the forward's products read theirs (K contiguous;
+  // 299 against 381 us at N512 L1024 C128 on H100).
   const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
                                   {p.linear2.stride[1], p.linear2.stride[0]}};
   float* w2t = at<float>(ws, o_w2);
@@ -2641,18 +3048,9 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   float* dg = at<float>(ws, o_dg);
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
-  float* means = at<float>(ws, o_means);
   std::int64_t count1 = 0, count2 = 0;
   if (rows > 0) {
-    float* row_sums = at<float>(ws, o_rows);
-    if (front == 128) {
-      backward_front<128>(p, conv_w, w1, w2t, y, hid, dg, row_sums, means, device, stream);
-    } else if (front == 64) {
-      backward_front<64>(p, conv_w, w1, w2t, y, hid, dg, row_sums, means, device, stream);
-    } else {
-      conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device,
-                                stream);
-    }
+    conv_norm_apply<T, float>(p, conv_w, p.saved_mean, p.saved_rstd, dense(y, p), device, stream);
     const float* dz = static_cast<const float*>(p.grad_out.data);
     std::int64_t ld_dz = ld_go;
     if (!ld_go) {
@@ -2669,16 +3067,14 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
       ld_dz = c;
     }
     const float s = p.residual_scale;
-    if (front == 0) {
-      gemm({.m = rows, .n = h, .k = c, .a = {y, c, false}, .b = {w1, c, true}, .d = hid, .ldd = h},
-           tf32, device, stream);  // h
-      gemm({.m = rows, .n = h, .k = c, .a = {dz, ld_dz, false}, .b = {w2t, c, true}, .d = dg,
-            .ldd = h, .alpha = s},
-           tf32, device, stream);  // dz W2
-      gelu_backward_kernel<<<grid_for(ceil_div(rows * h, 4), device), kThreads, 0, stream>>>(
-          hid, dg, rows * h);
-      FUSEKIT_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
-    }
+    gemm({.m = rows, .n = h, .k = c, .a = {y, c, false}, .b = {w1, c, true}, .d = hid, .ldd = h},
+         tf32, device, stream);  // h
+    gemm({.m = rows, .n = h, .k = c, .a = {dz, ld_dz, false}, .b = {w2t, c, true}, .d = dg,
+          .ldd = h, .alpha = s},
+         tf32, device, stream);  // dz W2
+    gelu_backward_kernel<<<grid_for(ceil_div(rows * h, 4), device), kThreads, 0, stream>>>(
+        hid, dg, rows * h);
+    FUSEKIT_CUDA_CHECK_LAUNCH("gelu_backward_kernel");
     count2 = slice_products(rows, c, h, dz, ld_dz, s, hid, part2, tf32, device, stream);
     count1 = slice_products(rows, h, c, dg, h, 1.0f, y, part1, tf32, device, stream);
     // dy into y's buffer: the last product that reads y is enqueued above.
@@ -2687,8 +3083,7 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   }
   sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
   sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
-  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream,
-                               front != 0 && rows > 0 ? means : nullptr);
+  conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream, nullptr);
 }
 
 /// Runs the statistics and a fused kernel when one takes the call (and returns true).
