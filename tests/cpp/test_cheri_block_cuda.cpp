@@ -407,6 +407,34 @@ TEST_F(CheriCudaMisc, GradientsOfAnyScale) {
   }
 }
 
+TEST_F(CheriCudaMisc, EachExampleKeepsTheAccuracyOfItsOwnGradient) {
+  // Examples whose gradients are 1e20 apart, in tiles that span two examples (L = 70, C = 128 and
+  // 64 take the front kernel): each example's grad_x within the TF32 bound of its own largest
+  // value, as if it were alone (the float16 intermediates are scaled per row, not per tile).
+  for (const CheriCase& c : {CheriCase{3, 70, 128, 2, 4}, CheriCase{3, 70, 64, 2, 3}}) {
+    SCOPED_TRACE(cheri_case_name(c));
+    CheriInputs in = make_cheri_inputs(c, rng_);
+    const double scale[] = {1e-20, 1.0, 1e20};
+    const std::int64_t plane = c.l * c.c;
+    for (std::size_t i = 0; i < in.grad_out.values.size(); ++i) {
+      in.grad_out.values[i] *= scale[static_cast<std::int64_t>(i) / plane];
+    }
+    const CheriTensors t = upload_cheri(in, c, kCuda);
+    run_block_backward(t, c);
+    expect_device_ok();
+    const CheriBlockGradients ref = fusekit::testing::cheri_block_backward_reference(
+        in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
+    const HostTensor got = download(t.grad_x.view);
+    for (std::int64_t n = 0; n < c.n; ++n) {
+      HostTensor got_n({1, c.l, c.c}), ref_n({1, c.l, c.c});
+      std::copy_n(got.values.begin() + n * plane, plane, got_n.values.begin());
+      std::copy_n(ref.grad_x.values.begin() + n * plane, plane, ref_n.values.begin());
+      expect_close(got_n, ref_n, cheri_relative_to_max(ref_n, 1e-3),
+                   "grad_x of example " + std::to_string(n));
+    }
+  }
+}
+
 TEST_F(CheriCudaMisc, EmptyBatch) {
   // N = 0: the forwards write nothing; the backwards write zero weight gradients.
   const CheriCase c{0, 5, 16, 2, 1};

@@ -72,7 +72,7 @@ constexpr int kStatsUnroll = 2;                 // rows whose loads a thread iss
 // blocks an SM holds.
 constexpr std::size_t kStatsStageBytes = 40960;
 constexpr int kStatsStagedBlocks = 4;
-constexpr int kFrontScratchFloats = 32;  // the front kernel's weight norms and tile bounds
+constexpr int kFrontScratchFloats = 4;  // the front kernel's weight norms
 constexpr std::int64_t kSliceRows = 4096;      // rows per slice of the weight-gradient products
 constexpr std::size_t kMaxGemmWorkspace = std::size_t{32} << 20;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -1839,11 +1839,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // GELU and GELU') over float32 buffers. Each row of grad_out is scaled by a power of two that
 // brings its largest value into [2^14, 2^15) before its rounding to float16 for the products here,
 // so that gradients of any size keep TF32's 10 bits of mantissa (values below 2^-28 of their row's
-// largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100 only. What it
-// writes is scaled per tile instead (tile_exponent), from bounds known before the products: the
-// largest value of grad_out, |h| <= |y_r| max_j |W1_j| for g, |e| <= |grad_out_r| max_j |W2^T_j|
-// and |GELU'| < 1.13 for dg (so a tile's values stay below 2^15 and keep 10 bits). y needs no
-// scale: |y| <= sqrt(L C) (bench/NOTES.md). W2^T [E C, C] arrives packed, so that both products
+// largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100 only. g and dg
+// are written scaled per row too (row_exponent), from bounds known before the products:
+// |h| <= |y_r| max_j |W1_j| for g, |e| <= |grad_out_r| max_j |W2^T_j| and |GELU'| < 1.13 for dg
+// (so a row's values stay below 2^15 and keep 10 bits, whatever the scale of the gradient or of
+// the weights). y needs no scale: |y| <= sqrt(L C) (bench/NOTES.md). W2^T [E C, C] arrives packed, so that both products
 // read their B operand as the inference kernel reads linear1.
 // It also writes, per row r, sum_c dy[r, c] and sum_c dy[r, c] y[r, c] for the norm's backward,
 // without dy = dg W1: they are sum_j dg[r, j] u_j (u = W1 1, the row sums of linear1) and
@@ -1876,20 +1876,22 @@ __device__ __forceinline__ void store_quad(__half* group, const std::uint32_t (&
   *reinterpret_cast<uint4*>(group + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-/// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], each 64-row
-/// tile t of the last three scaled by 2^exps[k tiles + t] (k = 0, 1, 2).
+/// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], each row r of
+/// the last three scaled by 2^exps[k exps_stride + r] (k = 0, 1, 2; exps_stride a multiple of 64,
+/// so that each array starts 256-byte aligned).
 struct FrontOut {
   __half* y;
   __half* go;
   __half* g;
   __half* dg;
   int* exps;
+  std::int64_t exps_stride;
 };
 
 /// The exponent e of a power of two that brings `bound` into [2^14, 2^15): at most 100 (so that
 /// zeros and tiny values are not scaled without end); 0 where the bound is not finite (NaN and
 /// infinity then stay what they are).
-__device__ __forceinline__ int tile_exponent(float bound) {
+__device__ __forceinline__ int row_exponent(float bound) {
   const int e = (__float_as_int(bound) >> 23) & 0xff;  // biased; bound >= 0
   return e == 0xff ? 0 : min(141 - e, 100);
 }
@@ -1914,7 +1916,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* cw = shared.cw;
   float* u = cw + 3 * kC;  // [E C]: the row sums of linear1
   float* norms = u + hidden;  // [2]: the largest |W1_j| and |W2^T_j| (as int bits, for atomicMax)
-  float* maxima = norms + 2;  // [2 warpgroups][4 warps][3]: a tile's bounds (see FrontOut)
 
   stage_swizzled(w1, hidden, kC, w1s);
   stage_swizzled(w2t, hidden, kC, w2s);
@@ -1969,7 +1970,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     std::uint32_t ad[kKSteps][4];
     float unscale[2];  // residual_scale / the row's power of two
     float2 v[2][kKSteps][2];
-    float bound[3] = {0.0f, 0.0f, 0.0f};  // of the thread's rows: grad_out, g, dg
+    float go_scale[2], g_scale[2], dg_scale[2];  // what the row's float16 outputs are scaled by
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
@@ -2019,43 +2020,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         y_square += __shfl_xor_sync(0xffffffffu, y_square, mask);
         d_square += __shfl_xor_sync(0xffffffffu, d_square, mask);
       }
-      bound[0] = fmaxf(bound[0], largest);
-      bound[1] = fmaxf(bound[1], fmaxf(sqrtf(y_square) * w1_norm, 0.2f));
-      bound[2] = fmaxf(bound[2], sqrtf(d_square) * w2_norm * fabsf(unscale[h2]) * 1.13f);
-    }
-    // The tile's bounds: over the warp's rows, then the warpgroup's four warps.
-    float* tile_max = maxima + 12 * wg;
+      // The row's exponents (row_exponent): of grad_out, and of g and dg from their bounds.
+      const int exps[3] = {
+          row_exponent(largest), row_exponent(fmaxf(sqrtf(y_square) * w1_norm, 0.2f)),
+          row_exponent(sqrtf(d_square) * w2_norm * fabsf(unscale[h2]) * 1.13f)};
+      if (q == 0 && live) {
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      for (int mask = 4; mask < kWarpSize; mask *= 2) {
-        bound[k] = fmaxf(bound[k], __shfl_xor_sync(0xffffffffu, bound[k], mask));
+        for (int k = 0; k < 3; ++k) out.exps[k * out.exps_stride + row] = exps[k];
       }
-      if (lane == 0) tile_max[3 * (t / kWarpSize) + k] = bound[k];
-    }
-    sync_warpgroup();
-    int exps[3];
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const float most = fmaxf(fmaxf(tile_max[k], tile_max[3 + k]),
-                               fmaxf(tile_max[6 + k], tile_max[9 + k]));
-      exps[k] = tile_exponent(most);
-      if (t == 0) out.exps[k * tiles + tile] = exps[k];
-    }
-    const float go_scale = power_of_two(exps[0]), g_scale = power_of_two(exps[1]),
-                dg_scale = power_of_two(exps[2]);
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+      go_scale[h2] = power_of_two(exps[0]);
+      g_scale[h2] = power_of_two(exps[1]);
+      dg_scale[h2] = power_of_two(exps[2]);
 #pragma unroll
       for (int m = 0; m < kC / 32; ++m) {
         std::uint32_t piece[4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
           const float2 x = v[h2][2 * m + a / 2][a % 2];
-          piece[a] = pack_half2(x.x * go_scale, x.y * go_scale);
+          piece[a] = pack_half2(x.x * go_scale[h2], x.y * go_scale[h2]);
         }
         quad_transpose(piece, q);
-        if (row < rows) store_quad(out.go + row * kC + 32 * m, piece, q);
+        if (live) store_quad(out.go + row * kC + 32 * m, piece, q);
       }
     }
 
@@ -2094,8 +2079,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             const GeluAndGrad gb = gelu_tanh_and_grad(acc_h[i + 1]);
             const float2 d = make_float2(acc_e[i] * unscale[h2] * ga.grad,
                                          acc_e[i + 1] * unscale[h2] * gb.grad);
-            g_piece[a] = pack_half2(ga.value * g_scale, gb.value * g_scale);
-            dg_piece[a] = pack_half2(d.x * dg_scale, d.y * dg_scale);
+            g_piece[a] = pack_half2(ga.value * g_scale[h2], gb.value * g_scale[h2]);
+            dg_piece[a] = pack_half2(d.x * dg_scale[h2], d.y * dg_scale[h2]);
             const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
             sum_dy[h2] += d.x * uj.x + d.y * uj.y;
             sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
@@ -2126,19 +2111,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait<0>();
 }
 
-// The weight gradients from the front kernel's float16 tiles (FrontOut), and dy:
+// The weight gradients from the front kernel's float16 rows (FrontOut), and dy:
 //   part[b] = alpha sum over the rows r of block b's tiles of A[r, :]^T B[r, :]
-// for A [rows, MA] and B [rows, NB] float16, whose 64-row tile t was stored scaled by 2^ea[t] and
-// 2^eb[t] (eb null: not scaled); sum_partials then adds the blocks' parts [grid][MA][NB] in a
-// fixed order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring
+// for A [rows, MA] and B [rows, NB] float16, whose row r was stored scaled by 2^ea[r] and 2^eb[r]
+// (eb null: not scaled); sum_partials then adds the blocks' parts [grid][MA][NB] in a fixed
+// order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring
 // of kStages stages (as many as fit beside W1: 3 with kDy, else 4); each of its 8 warps owns a square piece of the output (64 or 32 on a
-// side), on float16 MMAs with float32 accumulation. One accumulator serves every tile: a tile's A
-// fragments are multiplied by 2^(E - E_t) (E_t = ea[t] + eb[t], E the smallest of the block's:
-// exact powers of two, at most 1; only a tile below 2^-10 of the block's largest loses bits), and
-// the piece by 2^-E at the end.
+// side), on float16 MMAs with float32 accumulation. One accumulator serves every row: the A
+// fragments of row r (the products' k) are multiplied by 2^(E - E_r) (E_r = ea[r] + eb[r], E the
+// smallest of the block's: exact powers of two, at most 1; only a row below 2^-10 of the block's
+// largest loses bits, and below 2^-24 it is left out), and the piece by 2^-E at the end.
 // With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] in float32,
-// each tile's rows from its stage (W1 in shared memory as float16, scaled by a power of two that
-// brings its largest value into [2^14, 2^15)).
+// each tile's rows from its stage, every row unscaled by its own exponent (W1 in shared memory as
+// float16, scaled by a power of two that brings its largest value into [2^14, 2^15)).
 constexpr int kGradThreads = 256;
 template <bool kDy>
 constexpr int kGradStages = kDy ? 3 : 4;
@@ -2149,7 +2134,8 @@ struct GradShape {
   static constexpr int kWarpsN = NB / kPiece;
   static_assert((MA / kPiece) * kWarpsN == kGradThreads / kWarpSize, "8 pieces");
   static constexpr int kPitchA = MA + 8, kPitchB = NB + 8;  // halves: ldmatrix rows on all banks
-  static constexpr int kStageHalves = kWgRows * (kPitchA + kPitchB);
+  // a stage: A's rows, B's rows, then their exponents (two int [64], as halves)
+  static constexpr int kStageHalves = kWgRows * (kPitchA + kPitchB) + 2 * kWgRows * 2;
 };
 
 template <int MA, int NB, bool kDy>
@@ -2179,7 +2165,22 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const auto load_tile = [&](std::int64_t tile, int stage) {
     __half* as = stages + stage * S::kStageHalves;
     __half* bs = as + kWgRows * kPitchA;
+    auto* es = reinterpret_cast<int*>(bs + kWgRows * kPitchB);  // [2][64]: ea, eb of the rows
     constexpr int kAPieces = kWgRows * MA / 8, kBPieces = kWgRows * NB / 8;
+    if (t < 2 * kWgRows / 4) {  // 16-byte pieces of the exponents: rows past the end read 0
+      const int* e = t < kWgRows / 4 ? ea : eb;
+      const int r = 4 * (t % (kWgRows / 4));
+      const std::int64_t row = tile * kWgRows + r;
+      if (e == nullptr) {
+        *reinterpret_cast<int4*>(es + (t / (kWgRows / 4)) * kWgRows + r) = make_int4(0, 0, 0, 0);
+      } else if (row + 4 <= rows && (reinterpret_cast<std::uintptr_t>(e + row) % 16) == 0) {
+        cp_async_16(es + (t / (kWgRows / 4)) * kWgRows + r, e + row);
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          es[(t / (kWgRows / 4)) * kWgRows + r + i] = row + i < rows ? e[row + i] : 0;
+        }
+      }
+    }
 #pragma unroll 4
     for (int i = t; i < kAPieces + kBPieces; i += kGradThreads) {
       const bool in_a = i < kAPieces;
@@ -2196,9 +2197,10 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     cp_async_commit();
   }
 
-  // The block's smallest tile exponent (every warp finds the same).
+  // The smallest exponent of the block's rows (every warp finds the same).
   int e_min = std::numeric_limits<int>::max();
-  for (std::int64_t i = t0 + lane; i < t1; i += kWarpSize) {
+  const std::int64_t row_end = min(t1 * kWgRows, rows);
+  for (std::int64_t i = t0 * kWgRows + lane; i < row_end; i += kWarpSize) {
     e_min = min(e_min, ea[i] + (eb ? eb[i] : 0));
   }
   for (int mask = 1; mask < kWarpSize; mask *= 2) {
@@ -2215,7 +2217,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     for (int i = t; i < MA * NB; i += kGradThreads) most = max(most, __float_as_int(fabsf(w1[i])));
     atomicMax(&largest, most);
     __syncthreads();
-    w_exp = tile_exponent(__int_as_float(largest));
+    w_exp = row_exponent(__int_as_float(largest));
     const float scale = power_of_two(w_exp);
     for (int i = t; i < MA * NB / 2; i += kGradThreads) {
       const float2 v = reinterpret_cast<const float2*>(w1)[i];
@@ -2231,15 +2233,23 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
     for (auto& n : m) n[0] = n[1] = n[2] = n[3] = 0.0f;
   }
-  // a tile's exponents, loaded a tile ahead (they are needed at the start of its products)
-  const auto exponents = [&](std::int64_t tile) {
-    return tile < t1 ? make_int2(ea[tile], eb ? eb[tile] : 0) : make_int2(0, 0);
+  // 2^(e_min - E_r) for rows r and r + 1 of a stage's exponents, as float16 (rows past the end,
+  // whose values are zeros, take 1)
+  const auto factors = [&](const int* es, int r) {
+    float f[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int shift = min(e_min - (es[r + i] + es[kWgRows + r + i]), 0);
+      f[i] = shift < -24 ? 0.0f : power_of_two(shift);
+    }
+    return __floats2half2_rn(f[0], f[1]);
   };
-  int2 e_next = exponents(t0);
+  const auto scale_pair = [](std::uint32_t& r, __half2 f) {
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&r), f);
+    r = *reinterpret_cast<const std::uint32_t*>(&v);
+  };
   for (std::int64_t tile = t0; tile < t1; ++tile) {
     const int stage = static_cast<int>((tile - t0) % kStages);
-    const int2 e_tile = e_next;
-    e_next = exponents(tile + 1);
     cp_async_wait<kStages - 2>();
     __syncthreads();  // the tile landed for every thread; the stage refilled below is free
     {
@@ -2249,21 +2259,21 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     }
     const __half* as = stages + stage * S::kStageHalves;
     const __half* bs = as + kWgRows * kPitchA;
-    const int shift = e_min - (e_tile.x + e_tile.y);  // <= 0
-    const __half2 factor = __float2half2_rn(shift < -30 ? 0.0f : ldexpf(1.0f, shift));
+    const auto* es = reinterpret_cast<const int*>(bs + kWgRows * kPitchB);
 #pragma unroll
     for (int ks = 0; ks < kWgRows / 16; ++ks) {
       // A^T fragments: A is stored [k = row][m]; B fragments from [k = row][n]; both transposed.
+      // Registers 0 and 1 of an A fragment hold rows (k) 2 q and 2 q + 1, 2 and 3 rows 2 q + 8, + 9.
+      const __half2 f_low = factors(es, 16 * ks + 2 * q), f_high = factors(es, 16 * ks + 2 * q + 8);
       std::uint32_t af[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         ldmatrix_x4_trans(af[mt], as + (16 * ks + lane % 8 + 8 * (lane / 16)) * kPitchA + m_base +
                                       16 * mt + 8 * ((lane / 8) % 2));
-#pragma unroll
-        for (auto& r : af[mt]) {
-          const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&r), factor);
-          r = *reinterpret_cast<const std::uint32_t*>(&v);
-        }
+        scale_pair(af[mt][0], f_low);
+        scale_pair(af[mt][1], f_low);
+        scale_pair(af[mt][2], f_high);
+        scale_pair(af[mt][3], f_high);
       }
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
@@ -2309,13 +2319,14 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           }
         }
       }
-      const int unscale = -(e_tile.x + w_exp);
 #pragma unroll
       for (int mt = 0; mt < kDyMT; ++mt) {
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-          const std::int64_t row = tile * kWgRows + dm + 16 * mt + g + 8 * h2;
+          const int r = dm + 16 * mt + g + 8 * h2;
+          const std::int64_t row = tile * kWgRows + r;
           if (row >= rows) continue;
+          const int unscale = -(es[r] + w_exp);
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
             *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * nt + 2 * q) =
@@ -2983,7 +2994,7 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_w2 = carve.take(floats(kC * kH)), o_y = carve.take(halves(rows * kC)),
                     o_go = carve.take(halves(rows * kC)), o_g = carve.take(halves(rows * kH)),
                     o_dg = carve.take(halves(rows * kH)),
-                    o_exps = carve.take(static_cast<std::size_t>(3 * tiles) * sizeof(int)),
+                    o_exps = carve.take(static_cast<std::size_t>(3 * tiles * kWgRows) * sizeof(int)),
                     o_dy = carve.take(floats(rows * kC)),
                     o_p1 = carve.take(floats(grid * kH * kC)),
                     o_p2 = carve.take(floats(grid * kC * kH)), o_rows = carve.take(floats(2 * rows)),
@@ -2996,17 +3007,18 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                                   {p.linear2.stride[1], p.linear2.stride[0]}};
   float* w2t = at<float>(ws, o_w2);
   pack(w2_transposed, kH, kC, w2t, device, stream);
-  const FrontOut out{at<__half>(ws, o_y), at<__half>(ws, o_go), at<__half>(ws, o_g),
-                     at<__half>(ws, o_dg), at<int>(ws, o_exps)};
+  const std::int64_t stride = tiles * kWgRows;  // of the exponent arrays
+  const FrontOut out{at<__half>(ws, o_y),  at<__half>(ws, o_go),   at<__half>(ws, o_g),
+                     at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
   float* dy = at<float>(ws, o_dy);
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
   float* means = at<float>(ws, o_means);
   backward_front<kC>(p, conv_w, w1, w2t, out, at<float>(ws, o_rows), means, device, stream);
   // grad W1 = dg^T y and dy = dg W1; grad W2 = residual_scale grad_out^T g
-  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * tiles, nullptr, rows, 1.0f, part1,
+  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f, part1,
                             w1, dy, device, stream);
-  weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + tiles, rows,
+  weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, nullptr, device, stream);
   sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream);
   sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream);
