@@ -21,15 +21,20 @@
 // E[y^2] - mean^2. The training path's two products use TF32 tensor cores for float32 inputs when
 // `allow_tf32` (as the model trains); false keeps full float32 products. The inference path may
 // run its products in half precision (see the backends), and so may the float32 training forward
-// with `allow_tf32` (float16 operands keep TF32's 10 bits of mantissa). The CPU backend computes
-// in float32 with double statistics.
+// with `allow_tf32` (float16 operands keep TF32's 10 bits of mantissa); the float32 backward with
+// `allow_tf32` on sm_90a (C of 64 or 128, E = 2) carries its intermediates (y, grad_out, GELU(h)
+// and its gradient) in float16, each row scaled by its own power of two, for the same reason. The
+// CPU backend computes in float32 with double statistics.
 // Determinism: every output and gradient is bitwise the same on every run, the first included:
-// the reductions over N and L (the weight gradients, the statistics) run in a fixed order.
+// the reductions over N and L (the weight gradients, the statistics) run in a fixed order (on
+// CUDA, one set by the shape and the device's number of multiprocessors).
 // Temporary memory (CUDA, stream-ordered): dilated_conv_norm and the inference forward a few
 // bytes per example and the packed weights (so does the training forward where it takes the
 // fused kernel, below); else the training forward about (C + E C) N L float32 values; the
 // backward about (C + 2 E C) N L float32 values (one C more for half precision or strided
-// grad_out) plus one [E C, C] float32 partial per 4096 rows for each linear weight gradient.
+// grad_out) plus one [E C, C] float32 partial per 4096 rows for each linear weight gradient, or,
+// where it keeps float16 intermediates (above), (2 C + 2 E C) N L float16 and (C + 5) N L
+// 4-byte values plus two [E C, C] float32 partials per multiprocessor.
 // The inference forward on CUDA runs its products on float16 operands with float32 accumulation
 // in one fused kernel where C is 64 or 128 (E C a multiple of 64, rows of x and out 16-byte
 // aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a; other shapes take

@@ -24,18 +24,20 @@
 // warpgroup MMAs of cheri_inference_wgmma_kernel for other E.
 //
 // Training (cheri_block, cheri_block_backward). In float32 with allow_tf32 and C of 64 or 128,
-// the forward is the inference path with its statistics kept, and on sm_90a the backward starts
-// with one warpgroup-MMA kernel that writes y, GELU(h), dg and the norm's row sums (see
-// cheri_backward_front_kernel). Otherwise float32 intermediates, the four activation products
-// through cuBLASLt (TF32 for float32 inputs when allow_tf32, full float32 otherwise) and
-// elementwise kernels between them; float32 x, out and grad_out that are matrices (rows one
-// stride apart) enter the products in place: the forward's second product adds x, the backward
-// reads grad_out with residual_scale as alpha. The two weight-gradient products and dy = dg W1
-// always run through cuBLASLt, the weight gradients as strided-batched products over slices of
-// kSliceRows rows, added slice by slice in order.
+// the forward is the inference path with its statistics kept, and on sm_90a with E = 2 the
+// backward is one warpgroup-MMA kernel that writes y, grad_out, GELU(h) and dg in float16 (each
+// row scaled by a power of two) and the norm's row sums (cheri_backward_front_kernel), then
+// weight_grad_kernel for grad W1 with dy = dg W1 and for grad W2, then the norm's and
+// convolution's backward. Otherwise float32 intermediates, the activation products through
+// cuBLASLt (TF32 for float32 inputs when allow_tf32, full float32 otherwise) and elementwise
+// kernels between them; float32 x, out and grad_out that are matrices (rows one stride apart)
+// enter the products in place: the forward's second product adds x, the backward reads grad_out
+// with residual_scale as alpha. There the weight gradients are strided-batched products over
+// slices of kSliceRows rows, added slice by slice in order.
 //
-// Determinism: no atomics; every reduction has a fixed shape-determined order; cuBLASLt runs the
-// heuristic's first algorithm without split-K reductions.
+// Determinism: no float atomics; every reduction has a fixed order, set by the shape (and, for
+// weight_grad_kernel's blocks, the number of multiprocessors); cuBLASLt runs the heuristic's first
+// algorithm without split-K reductions.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
