@@ -2168,7 +2168,20 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     __half* as = stages + stage * S::kStageHalves;
     __half* bs = as + kWgRows * kPitchA;
     auto* es = reinterpret_cast<int*>(bs + kWgRows * kPitchB);  // [2][64]: ea, eb of the rows
-    constexpr int kAPieces = kWgRows * MA / 8, kBPieces = kWgRows * NB / 8;
+    // 16-byte pieces: rows past the end read as zeros (widths are constants: no divisions)
+    const auto copy_rows = [&](const __half* src, __half* dst, auto width, auto pitch) {
+      constexpr int kPerRow = decltype(width)::value / 8;
+#pragma unroll 4
+      for (int i = t; i < kWgRows * kPerRow; i += kGradThreads) {
+        const int r = i / kPerRow, c = (i % kPerRow) * 8;
+        const std::int64_t row = tile * kWgRows + r;
+        const bool valid = row < rows;
+        cp_async_16_or_zero(dst + r * decltype(pitch)::value + c,
+                            src + (valid ? row : 0) * decltype(width)::value + c, valid);
+      }
+    };
+    copy_rows(a, as, std::integral_constant<int, MA>{}, std::integral_constant<int, kPitchA>{});
+    copy_rows(b, bs, std::integral_constant<int, NB>{}, std::integral_constant<int, kPitchB>{});
     if (t < 2 * kWgRows / 4) {  // 16-byte pieces of the exponents: rows past the end read 0
       const int* e = t < kWgRows / 4 ? ea : eb;
       const int r = 4 * (t % (kWgRows / 4));
@@ -2182,16 +2195,6 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           es[(t / (kWgRows / 4)) * kWgRows + r + i] = row + i < rows ? e[row + i] : 0;
         }
       }
-    }
-#pragma unroll 4
-    for (int i = t; i < kAPieces + kBPieces; i += kGradThreads) {
-      const bool in_a = i < kAPieces;
-      const int k = in_a ? i : i - kAPieces, width = in_a ? MA : NB;
-      const int r = k / (width / 8), c = (k % (width / 8)) * 8;
-      const std::int64_t row = tile * kWgRows + r;
-      const bool valid = row < rows;  // rows past the end read as zeros
-      const __half* src = (in_a ? a + (valid ? row : 0) * MA : b + (valid ? row : 0) * NB) + c;
-      cp_async_16_or_zero((in_a ? as + r * kPitchA : bs + r * kPitchB) + c, src, valid);
     }
   };
   for (int s = 0; s < kStages - 1; ++s) {
