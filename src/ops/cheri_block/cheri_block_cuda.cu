@@ -2965,6 +2965,28 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   FUSEKIT_CUDA_CHECK_LAUNCH("row_sums_finalize_kernel");
 }
 
+/// The backward's weights as dense float32, in the workspace pieces at the given offsets where
+/// they are not so already: the convolution's taps [3, C], linear1 [E C, C], and W2^T [E C, C]
+/// (always packed: the front kernel's B operand, and for cuBLASLt a B read as the forward's
+/// products read theirs, K contiguous; 299 against 381 us at N512 L1024 C128 on H100).
+struct BackwardWeights {
+  const float* conv_w;
+  const float* w1;
+  const float* w2t;
+};
+
+BackwardWeights backward_weights(const CheriBlockParams& p, const StreamWorkspace& ws,
+                                 std::size_t o_conv, std::size_t o_w1, std::size_t o_w2,
+                                 int device, cudaStream_t stream) {
+  const std::int64_t c = p.c, h = p.hidden;
+  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
+                                  {p.linear2.stride[1], p.linear2.stride[0]}};
+  float* w2t = at<float>(ws, o_w2);
+  pack(w2_transposed, h, c, w2t, device, stream);
+  return {dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream),
+          dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream), w2t};
+}
+
 /// weight_grad_kernel over `tiles` 64-row tiles on `grid` blocks (each kernel's shared memory
 /// allowed once per device).
 template <int MA, int NB, bool kDy>
@@ -3005,13 +3027,7 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_p2 = carve.take(floats(grid * kC * kH)), o_rows = carve.take(floats(2 * rows)),
                     o_means = carve.take(floats(2 * p.n));
   const StreamWorkspace ws(carve.total(), stream);
-  const float* conv_w = dense_float32(p.conv_weight, 3, kC, at<float>(ws, o_conv), device, stream);
-  const float* w1 = dense_float32(p.linear1, kH, kC, at<float>(ws, o_w1), device, stream);
-  // W2^T [E C, C]: the front kernel's B operand, read as the forward's products read theirs.
-  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
-                                  {p.linear2.stride[1], p.linear2.stride[0]}};
-  float* w2t = at<float>(ws, o_w2);
-  pack(w2_transposed, kH, kC, w2t, device, stream);
+  const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
   const std::int64_t stride = tiles * kWgRows;  // of the exponent arrays
   const FrontOut out{at<__half>(ws, o_y),  at<__half>(ws, o_go),   at<__half>(ws, o_g),
                      at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
@@ -3052,14 +3068,7 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
                     o_p1 = carve.take(floats(slices * h * c)),
                     o_p2 = carve.take(floats(slices * c * h));
   const StreamWorkspace ws(carve.total(), stream);
-  const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
-  const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
-  // W2^T [E C, C]: for cuBLASLt a B read as the forward's products read theirs (K contiguous;
-  // 299 against 381 us at N512 L1024 C128 on H100).
-  const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
-                                  {p.linear2.stride[1], p.linear2.stride[0]}};
-  float* w2t = at<float>(ws, o_w2);
-  pack(w2_transposed, h, c, w2t, device, stream);
+  const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
   float* y = at<float>(ws, o_y);
   float* hid = at<float>(ws, o_h);
   float* dg = at<float>(ws, o_dg);
