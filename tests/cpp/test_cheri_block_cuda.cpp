@@ -4,7 +4,8 @@
 // reference, in every dtype, for L = 1, d >= L, C of 1, 3, 48, 64, 80, 128 and 256, E of 1 to 3,
 // the model's dilations and every layout; at a model-sized shape against the CPU backend. Outputs
 // are poisoned and checked for writes outside their views. Also bitwise determinism, zero MLP
-// weights, empty batches, streams and CUDA-graph capture. Every test skips with "no CUDA device"
+// weights, gradients of any scale (per example too), the weight-gradient kernel over many tiles a
+// block, empty batches, streams and CUDA-graph capture. Every test skips with "no CUDA device"
 // where there is none.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -274,6 +275,30 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CheriCudaAgainstCpu, ::testing::ValuesIn(kDtype
 // ------------------------------------------------------------------------------------ the rest
 
 class CheriCudaMisc : public CudaTest<> {};
+
+// The TF32 backward's weight-gradient kernel gives each block a range of 64-row tiles (one block
+// a multiprocessor): here 512 tiles, several a block, so that its ring of stages turns over and
+// rows of very different exponents share a block.
+TEST_F(CheriCudaMisc, WeightGradientsOverManyTilesABlock) {
+  const CheriCase c{8, 4096, 128, 2, 4};
+  CheriInputs in = make_cheri_inputs(c, rng_);
+  for (std::size_t i = 0; i < in.grad_out.values.size(); ++i) {  // rows 1e-6 to 1e6
+    in.grad_out.values[i] *= std::pow(10.0, static_cast<double>((i / c.c) % 13) - 6.0);
+  }
+  const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
+  run_block_backward(gpu, c);
+  run_block_backward(cpu, c);
+  expect_device_ok();
+  const double bound = cheri_fast_path_bound(c.dtype);
+  const auto compare = [&](const DeviceTensor& g, const DeviceTensor& e, const char* what) {
+    const HostTensor expected = download(e.view);
+    expect_close(download(g.view), expected, cheri_relative_to_max(expected, bound), what);
+  };
+  compare(gpu.grad_x, cpu.grad_x, "grad_x");
+  compare(gpu.grad_conv_weight, cpu.grad_conv_weight, "grads.conv_weight");
+  compare(gpu.grad_linear1, cpu.grad_linear1, "grads.linear1_weight");
+  compare(gpu.grad_linear2, cpu.grad_linear2, "grads.linear2_weight");
+}
 
 TEST_F(CheriCudaMisc, BitwiseDeterministic) {
   for (DType dtype : kDtypes) {
