@@ -235,6 +235,23 @@ INSTANTIATE_TEST_SUITE_P(All, CheriCudaLayouts,
 
 // ------------------------------------------------------------------------------------ CPU
 
+/// The block's backward on CUDA against the CPU backend's on the same inputs, every gradient
+/// within `bound` of the CPU's relative to its largest value.
+void expect_backward_like_cpu(const CheriInputs& in, const CheriCase& c, double bound) {
+  const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
+  run_block_backward(gpu, c);
+  run_block_backward(cpu, c);
+  expect_device_ok();
+  const auto compare = [&](const DeviceTensor& g, const DeviceTensor& e, const char* what) {
+    const HostTensor expected = download(e.view);
+    expect_close(download(g.view), expected, cheri_relative_to_max(expected, bound), what);
+  };
+  compare(gpu.grad_x, cpu.grad_x, "grad_x");
+  compare(gpu.grad_conv_weight, cpu.grad_conv_weight, "grads.conv_weight");
+  compare(gpu.grad_linear1, cpu.grad_linear1, "grads.linear1_weight");
+  compare(gpu.grad_linear2, cpu.grad_linear2, "grads.linear2_weight");
+}
+
 // A model-sized shape (many tiles and plane blocks per example) against the CPU backend on the
 // same inputs: the CPU's error against float64 (1e-5) is far inside the bounds used here.
 class CheriCudaAgainstCpu : public CudaTest<::testing::TestWithParam<DType>> {};
@@ -254,18 +271,7 @@ TEST_P(CheriCudaAgainstCpu, ModelShape) {
   }
   {
     SCOPED_TRACE("cheri_block_backward");
-    const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
-    run_block_backward(gpu, c);
-    run_block_backward(cpu, c);
-    expect_device_ok();
-    const auto compare = [&](const DeviceTensor& g, const DeviceTensor& e, const char* what) {
-      const HostTensor expected = download(e.view);
-      expect_close(download(g.view), expected, cheri_relative_to_max(expected, bound), what);
-    };
-    compare(gpu.grad_x, cpu.grad_x, "grad_x");
-    compare(gpu.grad_conv_weight, cpu.grad_conv_weight, "grads.conv_weight");
-    compare(gpu.grad_linear1, cpu.grad_linear1, "grads.linear1_weight");
-    compare(gpu.grad_linear2, cpu.grad_linear2, "grads.linear2_weight");
+    expect_backward_like_cpu(in, c, bound);
   }
 }
 
@@ -285,19 +291,7 @@ TEST_F(CheriCudaMisc, WeightGradientsOverManyTilesABlock) {
   for (std::size_t i = 0; i < in.grad_out.values.size(); ++i) {  // rows 1e-6 to 1e6
     in.grad_out.values[i] *= std::pow(10.0, static_cast<double>((i / c.c) % 13) - 6.0);
   }
-  const CheriTensors gpu = upload_cheri(in, c, kCuda), cpu = upload_cheri(in, c, kCpu);
-  run_block_backward(gpu, c);
-  run_block_backward(cpu, c);
-  expect_device_ok();
-  const double bound = cheri_fast_path_bound(c.dtype);
-  const auto compare = [&](const DeviceTensor& g, const DeviceTensor& e, const char* what) {
-    const HostTensor expected = download(e.view);
-    expect_close(download(g.view), expected, cheri_relative_to_max(expected, bound), what);
-  };
-  compare(gpu.grad_x, cpu.grad_x, "grad_x");
-  compare(gpu.grad_conv_weight, cpu.grad_conv_weight, "grads.conv_weight");
-  compare(gpu.grad_linear1, cpu.grad_linear1, "grads.linear1_weight");
-  compare(gpu.grad_linear2, cpu.grad_linear2, "grads.linear2_weight");
+  expect_backward_like_cpu(in, c, cheri_fast_path_bound(c.dtype));
 }
 
 TEST_F(CheriCudaMisc, BitwiseDeterministic) {

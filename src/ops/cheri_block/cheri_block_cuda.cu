@@ -1845,8 +1845,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // are written scaled per row too (row_exponent), from bounds known before the products:
 // |h| <= |y_r| max_j |W1_j| for g, |e| <= |grad_out_r| max_j |W2^T_j| and |GELU'| < 1.13 for dg
 // (so a row's values stay below 2^15 and keep 10 bits, whatever the scale of the gradient or of
-// the weights). y needs no scale: |y| <= sqrt(L C) (bench/NOTES.md). W2^T [E C, C] arrives packed, so that both products
-// read their B operand as the inference kernel reads linear1.
+// the weights). y needs no scale: |y| <= sqrt(L C) (bench/NOTES.md). W2^T [E C, C] arrives
+// packed, so that both products read their B operand as the inference kernel reads linear1.
 // It also writes, per row r, sum_c dy[r, c] and sum_c dy[r, c] y[r, c] for the norm's backward,
 // without dy = dg W1: they are sum_j dg[r, j] u_j (u = W1 1, the row sums of linear1) and
 // sum_j dg[r, j] h[r, j] (h = y W1^T), from the accumulators.
@@ -2117,12 +2117,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   part[b] = alpha sum over the rows r of block b's tiles of A[r, :]^T B[r, :]
 // for A [rows, MA] and B [rows, NB] float16, whose row r was stored scaled by 2^ea[r] and 2^eb[r]
 // (eb null: not scaled); sum_partials then adds the blocks' parts [grid][MA][NB] in a fixed
-// order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring
-// of kStages stages (as many as fit beside W1: 3 with kDy, else 4); each of its 8 warps owns a square piece of the output (64 or 32 on a
-// side), on float16 MMAs with float32 accumulation. One accumulator serves every row: the A
-// fragments of row r (the products' k) are multiplied by 2^(E - E_r) (E_r = ea[r] + eb[r], E the
-// smallest of the block's: exact powers of two, at most 1; only a row below 2^-10 of the block's
-// largest loses bits, and below 2^-24 it is left out), and the piece by 2^-E at the end.
+// order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring of
+// kStages stages (as many as fit beside W1: 3 with kDy, else 4); each of its 8 warps owns a
+// square piece of the output (64 or 32 on a side), on float16 MMAs with float32 accumulation.
+// One accumulator serves every row: the A fragments of row r (the products' k) are multiplied by
+// 2^(E - E_r) (E_r = ea[r] + eb[r], E the smallest of the block's: exact powers of two, at most
+// 1; only a row below 2^-10 of the block's largest loses bits, and below 2^-24 it is left out),
+// and the piece by 2^-E at the end.
 // With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] in float32,
 // each tile's rows from its stage, every row unscaled by its own exponent (W1 in shared memory as
 // float16, scaled by a power of two that brings its largest value into [2^14, 2^15)).
@@ -2227,7 +2228,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     for (int i = t; i < MA * NB / 2; i += kGradThreads) {
       const float2 v = reinterpret_cast<const float2*>(w1)[i];
       const int r = 2 * i / NB, c = 2 * i % NB;
-      *reinterpret_cast<std::uint32_t*>(w1s + r * kPitchB + c) = pack_half2(v.x * scale, v.y * scale);
+      *reinterpret_cast<std::uint32_t*>(w1s + r * kPitchB + c) =
+          pack_half2(v.x * scale, v.y * scale);
     }
   }
 
@@ -2268,7 +2270,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
 #pragma unroll
     for (int ks = 0; ks < kWgRows / 16; ++ks) {
       // A^T fragments: A is stored [k = row][m]; B fragments from [k = row][n]; both transposed.
-      // Registers 0 and 1 of an A fragment hold rows (k) 2 q and 2 q + 1, 2 and 3 rows 2 q + 8, + 9.
+      // Registers 0 and 1 of an A fragment hold rows (k) 2 q and 2 q + 1; 2 and 3 rows 2 q + 8
+      // and 2 q + 9.
       const __half2 f_low = factors(es, 16 * ks + 2 * q), f_high = factors(es, 16 * ks + 2 * q + 8);
       std::uint32_t af[kMT][4];
 #pragma unroll
@@ -2987,8 +2990,8 @@ BackwardWeights backward_weights(const CheriBlockParams& p, const StreamWorkspac
           dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream), w2t};
 }
 
-/// weight_grad_kernel over `tiles` 64-row tiles on `grid` blocks (each kernel's shared memory
-/// allowed once per device).
+/// weight_grad_kernel over the 64-row tiles of `rows` rows on `grid` blocks (each kernel's shared
+/// memory allowed once per device).
 template <int MA, int NB, bool kDy>
 void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea, const int* eb,
                  std::int64_t rows, float alpha, float* part, const float* w1, float* dy,
@@ -3011,6 +3014,7 @@ template <int kC>
 void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t stream) {
   constexpr std::int64_t kH = 2 * kC;
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, static_cast<std::int64_t>(kWgRows));
+  const std::int64_t stride = tiles * kWgRows;  // of the three exponent arrays (FrontOut)
   const auto grid = static_cast<unsigned>(
       std::min<std::int64_t>(tiles, multiprocessor_count(device)));
   const auto halves = [](std::int64_t count) {
@@ -3021,14 +3025,13 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_w2 = carve.take(floats(kC * kH)), o_y = carve.take(halves(rows * kC)),
                     o_go = carve.take(halves(rows * kC)), o_g = carve.take(halves(rows * kH)),
                     o_dg = carve.take(halves(rows * kH)),
-                    o_exps = carve.take(static_cast<std::size_t>(3 * tiles * kWgRows) * sizeof(int)),
+                    o_exps = carve.take(static_cast<std::size_t>(3 * stride) * sizeof(int)),
                     o_dy = carve.take(floats(rows * kC)),
                     o_p1 = carve.take(floats(grid * kH * kC)),
-                    o_p2 = carve.take(floats(grid * kC * kH)), o_rows = carve.take(floats(2 * rows)),
-                    o_means = carve.take(floats(2 * p.n));
+                    o_p2 = carve.take(floats(grid * kC * kH)),
+                    o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n));
   const StreamWorkspace ws(carve.total(), stream);
   const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
-  const std::int64_t stride = tiles * kWgRows;  // of the exponent arrays
   const FrontOut out{at<__half>(ws, o_y),  at<__half>(ws, o_go),   at<__half>(ws, o_g),
                      at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
   float* dy = at<float>(ws, o_dy);
@@ -3037,8 +3040,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   float* means = at<float>(ws, o_means);
   backward_front<kC>(p, conv_w, w1, w2t, out, at<float>(ws, o_rows), means, device, stream);
   // grad W1 = dg^T y and dy = dg W1; grad W2 = residual_scale grad_out^T g
-  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f, part1,
-                            w1, dy, device, stream);
+  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
+                            part1, w1, dy, device, stream);
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, nullptr, device, stream);
   sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream);
@@ -3056,8 +3059,12 @@ template <typename T>
 void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const bool tf32 = use_tf32(p);
   const std::int64_t rows = p.n * p.l, c = p.c, h = p.hidden;
-  if (rows > 0 && front_fits<T, 128>(p, device)) return block_backward_front<128>(p, device, stream);
-  if (rows > 0 && front_fits<T, 64>(p, device)) return block_backward_front<64>(p, device, stream);
+  if (rows > 0 && front_fits<T, 128>(p, device)) {
+    return block_backward_front<128>(p, device, stream);
+  }
+  if (rows > 0 && front_fits<T, 64>(p, device)) {
+    return block_backward_front<64>(p, device, stream);
+  }
   const std::int64_t slices = ceil_div(rows, kSliceRows);
   const std::int64_t ld_go = matrix_ld<T>(p.grad_out, p);
   Carve carve;
