@@ -152,8 +152,9 @@ void check_cuda_all(const CheriCase& k, std::mt19937_64& rng, const CheriLayouts
 // inference path); C of 64 and 128 (fused inference: a partial last tile, tiles across example
 // boundaries, E = 1 and 2, many examples with d above the x slots' halo); C = 256 and E = 3 at
 // C = 128 (too big for the fused kernel's shared memory: the general path); the largest
-// dilations. The backward's grad_x pass is staged in shared memory (sm_90, vector rows, dy in
-// float32) where a block's rows with their halo fit: in float32 up to d = 16 at C = 128 (the
+// dilations. The backward's grad_x pass is staged in shared memory (sm_90, vector rows; dy in
+// float16 scaled per row after the TF32 front kernel, else float32) where a block's rows with
+// their halo fit: in float32 up to d = 16 at C = 128 (the
 // model's dilations below) and beyond at C = 64 ({2, 150, 64, 2, 16}: blocks of 128 and 22 rows),
 // and wherever d >= L; larger d and the scalar cases take the plain pass.
 const CheriCase kCases[] = {

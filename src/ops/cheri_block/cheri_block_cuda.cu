@@ -792,18 +792,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/// conv_norm_backward_kernel on sm_90 where dy is float32 and the rows of x and dy are dense and
-/// 16-byte aligned: the block brings dy rows [l0 - d, l1 + d) and x rows [l0 - 2 d, l1 + 2 d) of
-/// example n (clipped to the plane; no halo for d >= L) into shared memory by two bulk copies,
-/// turns dy into dconv there (each row once, where the plain kernel computes it three times from
-/// nine rows of x), then computes grad_x and the block's share of the weight gradient from shared
-/// memory. Shared memory: gx_stage_bytes (C / V <= kThreads: one channel group a thread).
-template <typename T, int V, bool kResidual>
+/// conv_norm_backward_kernel on sm_90 where the rows of x and dy are dense and 16-byte aligned,
+/// dy float32 (G = float), or float16 with each 32-column segment of a dense row scaled by
+/// 2^dy_exps[n L + l][c / 32] (G = __half, weight_grad_kernel's): the block brings dy rows
+/// [l0 - d, l1 + d) and x rows [l0 - 2 d, l1 + 2 d) of example n (clipped to the plane; no halo
+/// for d >= L) into shared memory by two bulk copies, turns dy into float32 dconv there (each
+/// row once, where the plain kernel computes it three times from nine rows of x), then computes
+/// grad_x and the block's share of the weight gradient from shared memory. Shared memory:
+/// gx_stage_bytes (C / V <= kThreads: one channel group a thread).
+template <typename T, typename G, int V, bool kResidual>
 __global__ void __launch_bounds__(kThreads, 2)
     conv_norm_backward_staged_kernel(const CheriBlockParams p, const float* w,
-                                     const CheriActivation grad_y, const float* means,
-                                     std::int64_t rows, std::int64_t chunks, float* partial) {
+                                     const CheriActivation grad_y, const int* dy_exps,
+                                     const float* means, std::int64_t rows, std::int64_t chunks,
+                                     float* partial) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(std::is_same_v<G, float> || std::is_same_v<G, __half>, "float or scaled half dy");
   extern __shared__ __align__(128) unsigned char gx_stage_raw[];
   __shared__ std::uint64_t arrived;
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
@@ -812,15 +816,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   const std::int64_t dlo = max(b.l0 - halo, std::int64_t{0}), dhi = min(b.l1 + halo, p.l);
   const std::int64_t xlo = max(b.l0 - 2 * halo, std::int64_t{0});
   const std::int64_t xhi = min(b.l1 + 2 * halo, p.l);
+  constexpr bool kScaled = std::is_same_v<G, __half>;
+  const int segments = cc / 32;  // kScaled: exponents a row
   float* const dc = reinterpret_cast<float*>(gx_stage_raw);  // [dhi - dlo][C]: dy, then dconv
   T* const xs = reinterpret_cast<T*>(dc + (dhi - dlo) * cc);  // [xhi - xlo][C]
+  // dy as copied: float32 in place of its dconv, or float16 [dhi - dlo][C] after x with its
+  // exponents [dhi - dlo][C / 32]
+  G* const dys = kScaled ? reinterpret_cast<G*>(xs + (xhi - xlo) * cc) : reinterpret_cast<G*>(dc);
+  int* const exps = reinterpret_cast<int*>(dys + (dhi - dlo) * cc);
+  if constexpr (kScaled) {
+    const int* src = dy_exps + (b.n * p.l + dlo) * segments;
+    for (int i = t; i < (dhi - dlo) * segments; i += kThreads) exps[i] = src[i];
+  }
   if (t == 0) {
     mbarrier_init(&arrived, 1);
     mbarrier_init_fence();
-    const auto dy_bytes = static_cast<std::uint32_t>((dhi - dlo) * cc * sizeof(float));
+    const auto dy_bytes = static_cast<std::uint32_t>((dhi - dlo) * cc * sizeof(G));
     const auto x_bytes = static_cast<std::uint32_t>((xhi - xlo) * cc * sizeof(T));
     mbarrier_arrive_expect_bytes(&arrived, dy_bytes + x_bytes);
-    bulk_copy_to_shared(dc, row_of<float>(grad_y, b.n, dlo), dy_bytes, &arrived);
+    bulk_copy_to_shared(dys, row_of<G>(grad_y, b.n, dlo), dy_bytes, &arrived);
     bulk_copy_to_shared(xs, row_of<T>(p.x, b.n, xlo), x_bytes, &arrived);
   }
   __syncthreads();  // the barrier is initialised before anyone waits on it
@@ -837,7 +851,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const auto dc_row = [&](std::int64_t l) { return dc + static_cast<int>(l - dlo) * cc + c0; };
   mbarrier_wait(&arrived, 0);
 
-  // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, over dy in place.
+  // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, in place of float32 dy.
   if (active) {
     for (std::int64_t l = dlo + first; l < dhi; l += b.lanes) {
       float xv[V], conv[V], g[V];
@@ -854,7 +868,20 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int k = 0; k < V; ++k) conv[k] += w2[k] * xv[k];
       }
-      load_shared_vec<float, V>(dc_row(l), g);
+      if constexpr (kScaled) {  // the row's segment, unscaled by its exponent
+        static_assert(V % 2 == 0 && 32 % V == 0, "pairs of float16 within a segment");
+        const int r = static_cast<int>(l - dlo);
+        const auto* src = reinterpret_cast<const __half2*>(dys + r * cc + c0);
+        const float unscale = ldexpf(1.0f, -exps[r * segments + c0 / 32]);
+#pragma unroll
+        for (int k = 0; k < V; k += 2) {
+          const float2 v = __half22float2(src[k / 2]);
+          g[k] = v.x * unscale;
+          g[k + 1] = v.y * unscale;
+        }
+      } else {
+        load_shared_vec<float, V>(dc_row(l), g);
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         g[k] = rstd * (g[k] - mean_dy - ((conv[k] - mean) * rstd) * mean_dy_y);
@@ -2124,12 +2151,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 2^(E - E_r) (E_r = ea[r] + eb[r], E the smallest of the block's: exact powers of two, at most
 // 1; only a row below 2^-10 of the block's largest loses bits, and below 2^-24 it is left out),
 // and the piece by 2^-E at the end.
-// With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] in float32,
-// each tile's rows from its stage, every row unscaled by its own exponent (W1 in shared memory as
-// float16, scaled by a power of two that brings its largest value into [2^14, 2^15)).
+// With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] of type D,
+// each tile's rows from its stage (W1 in shared memory as float16, scaled by a power of two that
+// brings its largest value into [2^14, 2^15)): in float32 every row unscaled by its own exponent;
+// in float16 every 32-column segment of a row (a warp's) scaled by a power of two that brings its
+// largest value into [2^14, 2^15), its exponent into dy_exps [rows][NB / 32] (dy = stored
+// 2^-dy_exps[r][c / 32]): half the bytes to write here and to read in the norm's backward, with
+// the 11 significant bits the products' operands carry.
 constexpr int kGradThreads = 256;
 template <bool kDy>
 constexpr int kGradStages = kDy ? 3 : 4;
+template <int NB>
+constexpr int kDySegments = NB / 32;  // float16 dy: exponents a row
 
 template <int MA, int NB>
 struct GradShape {
@@ -2147,10 +2180,11 @@ constexpr std::size_t grad_smem_bytes() {
                            (kDy ? MA * GradShape<MA, NB>::kPitchB : 0));
 }
 
-template <int MA, int NB, bool kDy>
+template <int MA, int NB, bool kDy, typename D>
 __global__ void __launch_bounds__(kGradThreads, 1)
     weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
-                       std::int64_t rows, float alpha, float* part, const float* w1, float* dy) {
+                       std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
+                       int* dy_exps) {
   using S = GradShape<MA, NB>;
   constexpr int kStages = kGradStages<kDy>;
   constexpr int kPiece = S::kPiece, kPitchA = S::kPitchA, kPitchB = S::kPitchB;
@@ -2327,19 +2361,52 @@ __global__ void __launch_bounds__(kGradThreads, 1)
           }
         }
       }
+      if constexpr (std::is_same_v<D, float>) {
 #pragma unroll
-      for (int mt = 0; mt < kDyMT; ++mt) {
+        for (int mt = 0; mt < kDyMT; ++mt) {
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int r = dm + 16 * mt + g + 8 * h2;
-          const std::int64_t row = tile * kWgRows + r;
-          if (row >= rows) continue;
-          const int unscale = -(es[r] + w_exp);
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = dm + 16 * mt + g + 8 * h2;
+            const std::int64_t row = tile * kWgRows + r;
+            if (row >= rows) continue;
+            const int unscale = -(es[r] + w_exp);
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * nt + 2 * q) =
-                make_float2(ldexpf(dacc[mt][nt][2 * h2], unscale),
-                            ldexpf(dacc[mt][nt][2 * h2 + 1], unscale));
+            for (int nt = 0; nt < 4; ++nt) {
+              *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * nt + 2 * q) =
+                  make_float2(ldexpf(dacc[mt][nt][2 * h2], unscale),
+                              ldexpf(dacc[mt][nt][2 * h2 + 1], unscale));
+            }
+          }
+        }
+      } else {
+        // Each 32-column segment of a row (one warp's) scaled by its own power of two: no
+        // exchange between the warps of a row.
+#pragma unroll
+        for (int mt = 0; mt < kDyMT; ++mt) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int r = dm + 16 * mt + g + 8 * h2;
+            const std::int64_t row = tile * kWgRows + r;
+            float most = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              most = fmaxf(most, fmaxf(fabsf(dacc[mt][nt][2 * h2]),
+                                       fabsf(dacc[mt][nt][2 * h2 + 1])));
+            }
+            most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 1));
+            most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 2));
+            const int e = row_exponent(most);
+            const float scale = power_of_two(e);
+            std::uint32_t piece[4];
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) {
+              piece[nt] =
+                  pack_half2(dacc[mt][nt][2 * h2] * scale, dacc[mt][nt][2 * h2 + 1] * scale);
+            }
+            quad_transpose(piece, q);
+            if (row >= rows) continue;
+            store_quad(dy + row * NB + dn, piece, q);
+            if (q == 0) dy_exps[row * kDySegments<NB> + dn / 32] = es[r] + w_exp + e;
           }
         }
       }
@@ -2391,6 +2458,8 @@ U* at(const StreamWorkspace& ws, std::size_t offset) {
 std::size_t floats(std::int64_t count) {
   return static_cast<std::size_t>(count) * sizeof(float);
 }
+
+std::size_t ints(std::int64_t count) { return static_cast<std::size_t>(count) * sizeof(int); }
 
 unsigned grid_for(std::int64_t units, int device) {
   const std::int64_t cap = static_cast<std::int64_t>(multiprocessor_count(device)) * 16;
@@ -2532,8 +2601,9 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
 }
 
 /// Shared memory of conv_norm_backward_staged_kernel for the plane passes' blocks (plane_grid),
-/// or 0 where that kernel does not apply: it needs dy in float32, x and dy in dense 16-byte
-/// aligned rows, sm_90, a halo of at most half a block's rows, and the block's rows with their
+/// or 0 where that kernel does not apply: it needs dy in float32 (or in float16 scaled per row,
+/// `scaled`), x and dy in dense 16-byte aligned rows, sm_90, a halo of at most half a block's
+/// rows, and the block's rows with their
 /// halo (d rows on each side for dy, 2 d for x) in at most kGxStageBytes: two blocks an SM, up to
 /// d = 16 at C = 128 in float32 and d = 32 in half precision (faster than the plain pass at every
 /// d measured, 4, 8 and 16; bench/NOTES.md).
@@ -2541,8 +2611,10 @@ constexpr std::size_t kGxStageBytes = 112 * 1024;
 
 template <typename T, typename G>
 std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy,
-                           const PlaneGrid& g, bool vector, int device) {
-  if (!std::is_same_v<G, float> || !vector || !has_warpgroup_mma(device) ||
+                           const PlaneGrid& g, bool vector, int device, bool scaled = false) {
+  const bool dy_type =
+      std::is_same_v<G, float> || (std::is_same_v<G, __half> && scaled && p.c % 32 == 0);
+  if (!dy_type || !vector || !has_warpgroup_mma(device) ||
       p.x.stride[1] != p.c || dy.stride[1] != p.c || p.c / kVec16<T> > kThreads) {
     return 0;
   }
@@ -2550,40 +2622,54 @@ std::size_t gx_stage_bytes(const CheriBlockParams& p, const CheriActivation& dy,
   if (2 * halo > rows) return 0;
   const std::int64_t x_rows = std::min(rows + 4 * halo, p.l);
   const std::int64_t dy_rows = std::min(rows + 2 * halo, p.l);
-  const std::size_t stage = static_cast<std::size_t>(p.c) *
-                            (static_cast<std::size_t>(x_rows) * sizeof(T) +
-                             static_cast<std::size_t>(dy_rows) * sizeof(float));
+  // x, dy (then dconv) in float32, and the scaled dy's float16 rows and exponents
+  const std::size_t stage =
+      static_cast<std::size_t>(p.c) * (static_cast<std::size_t>(x_rows) * sizeof(T) +
+                                       static_cast<std::size_t>(dy_rows) * sizeof(float)) +
+      (scaled ? static_cast<std::size_t>(dy_rows * p.c) * sizeof(__half) +
+                    static_cast<std::size_t>(dy_rows * (p.c / 32)) * sizeof(int)
+              : 0);
   // the threads' weight-gradient sums reuse the stage
   const std::size_t sums = std::size_t{kThreads} * 3 * kVec16<T> * sizeof(float);
   return stage <= kGxStageBytes ? std::max(stage, sums) : 0;
 }
 
-template <typename T, bool kResidual>
+template <typename T, typename G, bool kResidual>
 void launch_gx_staged(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
-                      const float* means, const PlaneGrid& g, std::size_t bytes, float* part,
-                      int device, cudaStream_t stream) {
+                      const int* dy_exps, const float* means, const PlaneGrid& g,
+                      std::size_t bytes, float* part, int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
-  const auto kernel = conv_norm_backward_staged_kernel<T, kVec16<T>, kResidual>;
+  const auto kernel = conv_norm_backward_staged_kernel<T, G, kVec16<T>, kResidual>;
   allow_shared_memory(kernel, kGxStageBytes, device, allowed, true, [] {
     return concat(kOp, ": the staged backward of the convolution and norm");
   });
   kernel<<<static_cast<unsigned>(p.n * g.chunks), kThreads, bytes, stream>>>(
-      p, conv_w, dy, means, g.rows, g.chunks, part);
+      p, conv_w, dy, dy_exps, means, g.rows, g.chunks, part);
   FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_staged_kernel");
+}
+
+/// Whether conv_norm_backward's rows can be read and written in 16-byte pieces.
+template <typename T, typename G>
+bool gx_vector(const CheriBlockParams& p, const CheriActivation& dy, bool residual) {
+  return rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
+         rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T)) &&
+         (!residual || rows_aligned(p.grad_out, p, sizeof(T)));
 }
 
 /// The backward of the norm and the convolution: grad_x (plus grad_out when `residual`) and
 /// grad_conv_weight, from grad_y of type G (x's dtype in the caller's layout, or dense float32).
 /// `known_means`, where given, holds mean(dy) and mean(dy y) of every example already ([N, 2]).
+/// With `dy_exps`, dy is dense float16 whose rows are scaled by 2^dy_exps[n L + l], which only
+/// the staged kernel takes (the caller checks gx_stage_bytes with `scaled`).
 template <typename T, typename G>
 void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
                         bool residual, int device, cudaStream_t stream,
-                        const float* known_means = nullptr) {
+                        const float* known_means = nullptr, const int* dy_exps = nullptr) {
   const PlaneGrid g = plane_grid(p);
-  bool vector = rows_aligned(p.x, p, sizeof(T)) && rows_aligned(p.grad_x, p, sizeof(T)) &&
-                rows_aligned(dy, p, sizeof(G)) && rows_aligned(dy, p, sizeof(T));
-  if (residual) vector = vector && rows_aligned(p.grad_out, p, sizeof(T));
-  const std::size_t staged = gx_stage_bytes<T, G>(p, dy, g, vector, device);
+  const bool vector = gx_vector<T, G>(p, dy, residual);
+  const std::size_t staged = gx_stage_bytes<T, G>(p, dy, g, vector, device, dy_exps != nullptr);
+  FUSEKIT_CHECK(dy_exps == nullptr || (staged && known_means), kOp,
+                ": internal error: scaled float16 dy without the staged kernel");
   const std::int64_t blocks = p.n * g.chunks;
   Carve carve;
   const std::size_t o_sums = carve.take(floats(known_means ? 0 : 2 * blocks));
@@ -2593,37 +2679,47 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
   float* sums = at<float>(ws, o_sums);
   const float* means = known_means ? known_means : at<float>(ws, o_means);
   float* part = at<float>(ws, o_part);
+  // float16 dy with a float32 x is the scaled dy, which only the staged kernel reads
+  constexpr bool kScaled = std::is_same_v<T, float> && std::is_same_v<G, __half>;
+  constexpr bool kStageable = std::is_same_v<G, float> || kScaled;
   if (blocks > 0) {
     with_vec<T>(vector, [&](auto v) {
-      constexpr int V = decltype(v)::value;
-      if (!known_means) {
-        grad_sums_kernel<T, G, V>
-            <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, g.rows,
-                                                                     g.chunks, sums);
-        FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_kernel");
-        grad_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0,
-                                    stream>>>(sums, p.n, g.chunks,
-                                              static_cast<double>(p.l * p.c),
-                                              at<float>(ws, o_means));
-        FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
-      }
-      if (staged) {
-        if (residual) {
-          launch_gx_staged<T, true>(p, conv_w, dy, means, g, staged, part, device, stream);
-        } else {
-          launch_gx_staged<T, false>(p, conv_w, dy, means, g, staged, part, device, stream);
+      [[maybe_unused]] constexpr int V = decltype(v)::value;
+      if constexpr (!kScaled) {
+        if (!known_means) {
+          grad_sums_kernel<T, G, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              p, conv_w, dy, g.rows, g.chunks, sums);
+          FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_kernel");
+          grad_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n, 128)), 128, 0,
+                                      stream>>>(sums, p.n, g.chunks,
+                                                static_cast<double>(p.l * p.c),
+                                                at<float>(ws, o_means));
+          FUSEKIT_CUDA_CHECK_LAUNCH("grad_sums_finalize_kernel");
         }
-        return;
       }
-      const auto launch = [&](auto kernel) {
-        kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, means,
-                                                                       g.rows, g.chunks, part);
-        FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_kernel");
-      };
-      if (residual) {
-        launch(conv_norm_backward_kernel<T, G, V, true>);
-      } else {
-        launch(conv_norm_backward_kernel<T, G, V, false>);
+      if constexpr (kStageable) {
+        if (staged) {
+          if (residual) {
+            launch_gx_staged<T, G, true>(p, conv_w, dy, dy_exps, means, g, staged, part, device,
+                                         stream);
+          } else {
+            launch_gx_staged<T, G, false>(p, conv_w, dy, dy_exps, means, g, staged, part,
+                                          device, stream);
+          }
+          return;
+        }
+      }
+      if constexpr (!kScaled) {
+        const auto launch = [&](auto kernel) {
+          kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, conv_w, dy, means,
+                                                                         g.rows, g.chunks, part);
+          FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_kernel");
+        };
+        if (residual) {
+          launch(conv_norm_backward_kernel<T, G, V, true>);
+        } else {
+          launch(conv_norm_backward_kernel<T, G, V, false>);
+        }
       }
     });
   }
@@ -2992,24 +3088,26 @@ BackwardWeights backward_weights(const CheriBlockParams& p, const StreamWorkspac
 
 /// weight_grad_kernel over the 64-row tiles of `rows` rows on `grid` blocks (each kernel's shared
 /// memory allowed once per device).
-template <int MA, int NB, bool kDy>
+template <int MA, int NB, bool kDy, typename D = float>
 void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea, const int* eb,
-                 std::int64_t rows, float alpha, float* part, const float* w1, float* dy,
-                 int device, cudaStream_t stream) {
+                 std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
+                 int* dy_exps, int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
-  const auto kernel = weight_grad_kernel<MA, NB, kDy>;
+  const auto kernel = weight_grad_kernel<MA, NB, kDy, D>;
   constexpr std::size_t kBytes = grad_smem_bytes<MA, NB, kDy>();
   allow_shared_memory(kernel, kBytes, device, allowed, false, [&] {
     return concat(kOp, ": the weight-gradient kernel (", MA, " x ", NB, ")");
   });
-  kernel<<<grid, kGradThreads, kBytes, stream>>>(a, b, ea, eb, rows, alpha, part, w1, dy);
+  kernel<<<grid, kGradThreads, kBytes, stream>>>(a, b, ea, eb, rows, alpha, part, w1, dy,
+                                                 dy_exps);
   FUSEKIT_CUDA_CHECK_LAUNCH("weight_grad_kernel");
 }
 
 /// The backward where the front kernel takes the call (front_fits): the front kernel's float16
 /// intermediates, the weight gradients and dy from weight_grad_kernel (one block an SM, each a
 /// range of tiles, their parts added in a fixed order), then the norm's and convolution's
-/// backward.
+/// backward. dy is float16 scaled per row where the staged kernel of that backward applies
+/// (gx_stage_bytes), else float32.
 template <int kC>
 void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t stream) {
   constexpr std::int64_t kH = 2 * kC;
@@ -3025,8 +3123,9 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_w2 = carve.take(floats(kC * kH)), o_y = carve.take(halves(rows * kC)),
                     o_go = carve.take(halves(rows * kC)), o_g = carve.take(halves(rows * kH)),
                     o_dg = carve.take(halves(rows * kH)),
-                    o_exps = carve.take(static_cast<std::size_t>(3 * stride) * sizeof(int)),
+                    o_exps = carve.take(ints(3 * stride)),
                     o_dy = carve.take(floats(rows * kC)),
+                    o_dy_exps = carve.take(ints(rows * kC / 32)),
                     o_p1 = carve.take(floats(grid * kH * kC)),
                     o_p2 = carve.take(floats(grid * kC * kH)),
                     o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n));
@@ -3034,19 +3133,33 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
   const FrontOut out{at<__half>(ws, o_y),  at<__half>(ws, o_go),   at<__half>(ws, o_g),
                      at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
-  float* dy = at<float>(ws, o_dy);
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
   float* means = at<float>(ws, o_means);
+  const CheriActivation dy{at<void>(ws, o_dy), {p.l * p.c, p.c}};
+  int* dy_exps = at<int>(ws, o_dy_exps);
+  const bool scaled_dy =
+      gx_stage_bytes<float, __half>(p, dy, plane_grid(p), gx_vector<float, __half>(p, dy, true),
+                                    device, true) > 0;
   backward_front<kC>(p, conv_w, w1, w2t, out, at<float>(ws, o_rows), means, device, stream);
   // grad W1 = dg^T y and dy = dg W1; grad W2 = residual_scale grad_out^T g
-  weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
-                            part1, w1, dy, device, stream);
+  if (scaled_dy) {
+    weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
+                              part1, w1, static_cast<__half*>(dy.data), dy_exps, device, stream);
+  } else {
+    weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
+                              part1, w1, static_cast<float*>(dy.data), nullptr, device, stream);
+  }
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
-                             p.residual_scale, part2, nullptr, nullptr, device, stream);
+                             p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
+                             nullptr, device, stream);
   sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream);
   sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream);
-  conv_norm_backward<float, float>(p, conv_w, dense(dy, p), true, device, stream, means);
+  if (scaled_dy) {
+    conv_norm_backward<float, __half>(p, conv_w, dy, true, device, stream, means, dy_exps);
+  } else {
+    conv_norm_backward<float, float>(p, conv_w, dy, true, device, stream, means);
+  }
 }
 
 /// The block's backward through float32 buffers and cuBLASLt. With dz = residual_scale grad_out
