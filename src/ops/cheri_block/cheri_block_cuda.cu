@@ -27,7 +27,8 @@
 // the forward is the inference path with its statistics kept, and on sm_90a with E = 2 the
 // backward is one warpgroup-MMA kernel that writes y, grad_out, GELU(h) and dg in float16 (each
 // row scaled by a power of two) and the norm's row sums (cheri_backward_front_kernel), then
-// weight_grad_kernel for grad W1 with dy = dg W1 and for grad W2, then the norm's and
+// weight_grad_kernel for grad W1 with dy = dg W1 (float16, each 32-column piece of a row scaled
+// by a power of two, where the staged pass below takes it) and for grad W2, then the norm's and
 // convolution's backward. Otherwise float32 intermediates, the activation products through
 // cuBLASLt (TF32 for float32 inputs when allow_tf32, full float32 otherwise) and elementwise
 // kernels between them; float32 x, out and grad_out that are matrices (rows one stride apart)
@@ -851,7 +852,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const auto dc_row = [&](std::int64_t l) { return dc + static_cast<int>(l - dlo) * cc + c0; };
   mbarrier_wait(&arrived, 0);
 
-  // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, in place of float32 dy.
+  // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, into dc (over dy there
+  // when it came in float32).
   if (active) {
     for (std::int64_t l = dlo + first; l < dhi; l += b.lanes) {
       float xv[V], conv[V], g[V];
