@@ -2182,6 +2182,21 @@ constexpr std::size_t grad_smem_bytes() {
                            (kDy ? MA * GradShape<MA, NB>::kPitchB : 0));
 }
 
+/// acc[mt][2 np .. 2 np + 1] += a[mt] B for every mt, B the 16 x 16 block at `b` of a row-major
+/// [k][n] float16 array of pitch kPitch halves (read transposed: n8 tiles 2 np and 2 np + 1).
+template <int kPitch, int M, int N>
+__device__ __forceinline__ void mma_b16x16(float (&acc)[M][N][4], int np,
+                                           const std::uint32_t (&a)[M][4], const __half* b,
+                                           int lane) {
+  std::uint32_t bf[4];
+  ldmatrix_x4_trans(bf, b + (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16));
+#pragma unroll
+  for (int mt = 0; mt < M; ++mt) {
+    mma_16816(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+    mma_16816(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+  }
+}
+
 template <int MA, int NB, bool kDy, typename D>
 __global__ void __launch_bounds__(kGradThreads, 1)
     weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
@@ -2321,14 +2336,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       }
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
-        std::uint32_t bf[4];
-        ldmatrix_x4_trans(bf, bs + (16 * ks + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchB + n_base +
-                                  16 * np + 8 * (lane / 16));
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-          mma_16816(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-        }
+        mma_b16x16<kPitchB>(acc, np, af, bs + 16 * ks * kPitchB + n_base + 16 * np, lane);
       }
     }
     if constexpr (kDy) {
@@ -2353,23 +2361,18 @@ __global__ void __launch_bounds__(kGradThreads, 1)
         }
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
-          std::uint32_t bf[4];
-          ldmatrix_x4_trans(bf, w1s + (16 * ks + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchB + dn +
-                                    16 * np + 8 * (lane / 16));
-#pragma unroll
-          for (int mt = 0; mt < kDyMT; ++mt) {
-            mma_16816(dacc[mt][2 * np], af[mt], bf[0], bf[1]);
-            mma_16816(dacc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-          }
+          mma_b16x16<kPitchB>(dacc, np, af, w1s + 16 * ks * kPitchB + dn + 16 * np, lane);
         }
       }
-      if constexpr (std::is_same_v<D, float>) {
+      // float32: each row unscaled by its exponent; float16: each 32-column segment of a row
+      // (one warp's) scaled by its own power of two, with no exchange between the warps of a row
 #pragma unroll
-        for (int mt = 0; mt < kDyMT; ++mt) {
+      for (int mt = 0; mt < kDyMT; ++mt) {
 #pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int r = dm + 16 * mt + g + 8 * h2;
-            const std::int64_t row = tile * kWgRows + r;
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int r = dm + 16 * mt + g + 8 * h2;
+          const std::int64_t row = tile * kWgRows + r;
+          if constexpr (std::is_same_v<D, float>) {
             if (row >= rows) continue;
             const int unscale = -(es[r] + w_exp);
 #pragma unroll
@@ -2378,17 +2381,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
                   make_float2(ldexpf(dacc[mt][nt][2 * h2], unscale),
                               ldexpf(dacc[mt][nt][2 * h2 + 1], unscale));
             }
-          }
-        }
-      } else {
-        // Each 32-column segment of a row (one warp's) scaled by its own power of two: no
-        // exchange between the warps of a row.
-#pragma unroll
-        for (int mt = 0; mt < kDyMT; ++mt) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int r = dm + 16 * mt + g + 8 * h2;
-            const std::int64_t row = tile * kWgRows + r;
+          } else {
             float most = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < 4; ++nt) {
