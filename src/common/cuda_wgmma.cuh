@@ -144,11 +144,11 @@ __device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&regs)[N][4]
 
 // One wgmma.m64nNk16 with float32 accumulators: A from shared memory (SS: operands %R, %R+1 are
 // the two descriptors) or from four registers (RS: %R .. %R+3, then B's descriptor), the
-// accumulate predicate last. Both shared-memory operands K-major (no transpose).
-#define FUSEKIT_WGMMA_SS(N, NREGS, TYPE, A, B, P)                                               \
+// accumulate predicate last. A is K-major; B K-major, or N-major where TRANS_B is 1.
+#define FUSEKIT_WGMMA_SS(N, NREGS, TYPE, A, B, P, TRANS_B)                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                 \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "              \
-               "{" FUSEKIT_WGMMA_REGS##NREGS "}, %" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"         \
+               "{" FUSEKIT_WGMMA_REGS##NREGS "}, %" #A ", %" #B ", p, 1, 1, 0, " #TRANS_B ";\n}\n" \
                : FUSEKIT_WGMMA_ACC##NREGS(d, 0)                                                 \
                : "l"(a), "l"(b), "r"(scale_d))
 #define FUSEKIT_WGMMA_RS(N, NREGS, TYPE, A0, A1, A2, A3, B, P, TRANS_B)                         \
@@ -161,31 +161,36 @@ __device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&regs)[N][4]
 
 /// d (+)= a [64, 16] b [16, N], both operands in shared memory (descriptors `a` and `b`), T
 /// __half or __nv_bfloat16, N = 16, 32, 64, 80, 128 or 160; `accumulate` false overwrites d.
-template <typename T, int N>
+/// A is K-major; B K-major, or with kMnMajorB (N = 64 only) N-major as wgmma_rs takes it.
+template <typename T, int N, bool kMnMajorB = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std::uint64_t b,
                                          bool accumulate) {
   static_assert(N == 16 || N == 32 || N == 64 || N == 80 || N == 128 || N == 160);
+  static_assert(!kMnMajorB || N == 64);
 #ifdef FUSEKIT_WGMMA
   const int scale_d = accumulate ? 1 : 0;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (N == 16) {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(16, 8, "bf16", 8, 9, 10);
-    else FUSEKIT_WGMMA_SS(16, 8, "f16", 8, 9, 10);
+  if constexpr (kMnMajorB) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(64, 32, "bf16", 32, 33, 34, 1);
+    else FUSEKIT_WGMMA_SS(64, 32, "f16", 32, 33, 34, 1);
+  } else if constexpr (N == 16) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(16, 8, "bf16", 8, 9, 10, 0);
+    else FUSEKIT_WGMMA_SS(16, 8, "f16", 8, 9, 10, 0);
   } else if constexpr (N == 32) {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(32, 16, "bf16", 16, 17, 18);
-    else FUSEKIT_WGMMA_SS(32, 16, "f16", 16, 17, 18);
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(32, 16, "bf16", 16, 17, 18, 0);
+    else FUSEKIT_WGMMA_SS(32, 16, "f16", 16, 17, 18, 0);
   } else if constexpr (N == 64) {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(64, 32, "bf16", 32, 33, 34);
-    else FUSEKIT_WGMMA_SS(64, 32, "f16", 32, 33, 34);
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(64, 32, "bf16", 32, 33, 34, 0);
+    else FUSEKIT_WGMMA_SS(64, 32, "f16", 32, 33, 34, 0);
   } else if constexpr (N == 80) {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(80, 40, "bf16", 40, 41, 42);
-    else FUSEKIT_WGMMA_SS(80, 40, "f16", 40, 41, 42);
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(80, 40, "bf16", 40, 41, 42, 0);
+    else FUSEKIT_WGMMA_SS(80, 40, "f16", 40, 41, 42, 0);
   } else if constexpr (N == 128) {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(128, 64, "bf16", 64, 65, 66);
-    else FUSEKIT_WGMMA_SS(128, 64, "f16", 64, 65, 66);
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(128, 64, "bf16", 64, 65, 66, 0);
+    else FUSEKIT_WGMMA_SS(128, 64, "f16", 64, 65, 66, 0);
   } else {
-    if constexpr (kBf16) FUSEKIT_WGMMA_SS(160, 80, "bf16", 80, 81, 82);
-    else FUSEKIT_WGMMA_SS(160, 80, "f16", 80, 81, 82);
+    if constexpr (kBf16) FUSEKIT_WGMMA_SS(160, 80, "bf16", 80, 81, 82, 0);
+    else FUSEKIT_WGMMA_SS(160, 80, "f16", 80, 81, 82, 0);
   }
 #else
   __trap();

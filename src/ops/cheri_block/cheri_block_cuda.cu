@@ -1258,18 +1258,19 @@ struct WgShared {
   }
 };
 
-/// A dense float32 matrix [rows, cols] (cols a multiple of 64, 16-byte aligned) into `dst` as
-/// float16 blocks [cols / 64][rows][64], 128-byte swizzled; the whole block of threads takes part.
+/// A dense float32 matrix [rows, cols] (cols a multiple of 64, 16-byte aligned) times `scale` into
+/// `dst` as float16 blocks [cols / 64][rows][64], 128-byte swizzled; the whole block of threads
+/// takes part.
 __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int cols,
-                                               unsigned char* dst) {
+                                               unsigned char* dst, float scale = 1.0f) {
   for (int i = threadIdx.x; i < rows * cols / 8; i += blockDim.x) {
     const int e = 8 * i, r = e / cols, k = e % cols;
     const float4 a = __ldg(reinterpret_cast<const float4*>(src + e));
     const float4 b = __ldg(reinterpret_cast<const float4*>(src + e) + 1);
     *reinterpret_cast<uint4*>(dst + static_cast<std::size_t>(k / 64) * rows * 128 +
                               swizzled_offset(r, k % 64)) =
-        make_uint4(pack_half2(a.x, a.y), pack_half2(a.z, a.w), pack_half2(b.x, b.y),
-                   pack_half2(b.z, b.w));
+        make_uint4(pack_half2(a.x * scale, a.y * scale), pack_half2(a.z * scale, a.w * scale),
+                   pack_half2(b.x * scale, b.y * scale), pack_half2(b.z * scale, b.w * scale));
   }
 }
 
@@ -2142,59 +2143,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait<0>();
 }
 
-// The weight gradients from the front kernel's float16 rows (FrontOut), and dy:
+// The weight gradients from the front kernel's float16 rows (FrontOut), and dy, on warpgroup MMAs
+// (sm_90a):
 //   part[b] = alpha sum over the rows r of block b's tiles of A[r, :]^T B[r, :]
 // for A [rows, MA] and B [rows, NB] float16, whose row r was stored scaled by 2^ea[r] and 2^eb[r]
 // (eb null: not scaled); sum_partials then adds the blocks' parts [grid][MA][NB] in a fixed
-// order. Block b takes a contiguous range of tiles, brought in by cp.async through a ring of
-// kStages stages (as many as fit beside W1: 3 with kDy, else 4); each of its 8 warps owns a
-// square piece of the output (64 or 32 on a side), on float16 MMAs with float32 accumulation.
-// One accumulator serves every row: the A fragments of row r (the products' k) are multiplied by
-// 2^(E - E_r) (E_r = ea[r] + eb[r], E the smallest of the block's: exact powers of two, at most
-// 1; only a row below 2^-10 of the block's largest loses bits, and below 2^-24 it is left out),
-// and the piece by 2^-E at the end.
+// order. Block b takes a contiguous range of 64-row tiles, brought in by cp.async through a ring
+// of kStages stages (as many as fit beside W1: 3 with kDy, else 4), each stage A and B as blocks
+// of 64 columns [64 rows][64] (128-byte swizzled), then the rows' exponents [2][64]. The products'
+// k is the row: A^T comes through ldmatrix into register fragments, B is read by the tensor cores
+// from shared memory (N-major). One accumulator serves every row: the A fragments of row r are
+// multiplied by 2^(E - E_r) (E_r = ea[r] + eb[r], E the smallest of the block's: exact powers of
+// two, at most 1; only a row below 2^-10 of the block's largest loses bits, and below 2^-24 it is
+// left out), and the sums by 2^-E at the end. The two warpgroups split the [MA][NB] output by
+// rows of MA where MA >= 128 (kMs blocks of 64 rows each, by all NB), else by columns (64 by
+// NB / 2).
 // With kDy (A = dg [rows, E C], B = y [rows, C]) it also writes dy = dg W1 [rows, C] of type D,
 // each tile's rows from its stage (W1 in shared memory as float16, scaled by a power of two that
-// brings its largest value into [2^14, 2^15)): in float32 every row unscaled by its own exponent;
-// in float16 every 32-column segment of a row (a warp's) scaled by a power of two that brings its
-// largest value into [2^14, 2^15), its exponent into dy_exps [rows][NB / 32] (dy = stored
-// 2^-dy_exps[r][c / 32]): half the bytes to write here and to read in the norm's backward, with
-// the 11 significant bits the products' operands carry.
+// brings its largest value into [2^14, 2^15)), by columns, 64 a warpgroup, on MMAs with both
+// operands in shared memory (the tile's A rows K-major, W1 N-major), committed before the weight
+// gradient's so that dy's epilogue runs while those are on the tensor cores. In float32 every row
+// is unscaled by its own exponent; in float16 every 32-column segment of a row is scaled by a
+// power of two that brings its largest value into [2^14, 2^15), its exponent into dy_exps
+// [rows][NB / 32] (dy = stored 2^-dy_exps[r][c / 32]): half the bytes to write here and to read
+// in the norm's backward, with the 11 significant bits the products' operands carry.
 constexpr int kGradThreads = 256;
-template <bool kDy>
-constexpr int kGradStages = kDy ? 3 : 4;
 template <int NB>
 constexpr int kDySegments = NB / 32;  // float16 dy: exponents a row
+template <bool kDy>
+constexpr int kGradStages = kDy ? 3 : 4;
 
 template <int MA, int NB>
 struct GradShape {
-  static constexpr int kPiece = MA * NB >= 8 * 64 * 64 ? 64 : 32;  // a warp's piece, square
-  static constexpr int kWarpsN = NB / kPiece;
-  static_assert((MA / kPiece) * kWarpsN == kGradThreads / kWarpSize, "8 pieces");
-  static constexpr int kPitchA = MA + 8, kPitchB = NB + 8;  // halves: ldmatrix rows on all banks
-  // a stage: A's rows, B's rows, then their exponents (two int [64], as halves)
-  static constexpr int kStageHalves = kWgRows * (kPitchA + kPitchB) + 2 * kWgRows * 2;
+  static_assert(MA % 64 == 0 && NB % 64 == 0, "blocks of 64 columns");
+  static constexpr bool kSplitM = MA >= 128;
+  static constexpr int kMs = kSplitM ? MA / 128 : 1;     // blocks of 64 rows of MA a warpgroup
+  static constexpr int kCols = kSplitM ? NB : NB / 2;     // columns of NB a warpgroup
+  static constexpr int kChunk = kCols >= 128 ? 128 : 64;  // columns an MMA
+  static constexpr int kChunks = kCols / kChunk;
+  static_assert(kCols % kChunk == 0, "whole MMAs");
+  static constexpr int kDyWgs = NB >= 128 ? 2 : 1;  // warpgroups on dy, 64 columns each
+  static constexpr int kBlock = kWgRows * 128;      // bytes of 64 columns of a tile
+  static constexpr int kStageBytes = kWgRows * (MA + NB) * 2 + 1024;
 };
 
 template <int MA, int NB, bool kDy>
 constexpr std::size_t grad_smem_bytes() {
-  return sizeof(__half) * (kGradStages<kDy> * GradShape<MA, NB>::kStageHalves +
-                           (kDy ? MA * GradShape<MA, NB>::kPitchB : 0));
-}
-
-/// acc[mt][2 np .. 2 np + 1] += a[mt] B for every mt, B the 16 x 16 block at `b` of a row-major
-/// [k][n] float16 array of pitch kPitch halves (read transposed: n8 tiles 2 np and 2 np + 1).
-template <int kPitch, int M, int N>
-__device__ __forceinline__ void mma_b16x16(float (&acc)[M][N][4], int np,
-                                           const std::uint32_t (&a)[M][4], const __half* b,
-                                           int lane) {
-  std::uint32_t bf[4];
-  ldmatrix_x4_trans(bf, b + (lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * (lane / 16));
-#pragma unroll
-  for (int mt = 0; mt < M; ++mt) {
-    mma_16816(acc[mt][2 * np], a[mt], bf[0], bf[1]);
-    mma_16816(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
-  }
+  // room to align to 1024 bytes, the stages, W1 as float16 (kDy)
+  return 1024 + kGradStages<kDy> * GradShape<MA, NB>::kStageBytes + (kDy ? MA * NB * 2 : 0);
 }
 
 template <int MA, int NB, bool kDy, typename D>
@@ -2202,14 +2198,17 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
                        std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
                        int* dy_exps) {
+#ifdef FUSEKIT_WGMMA
   using S = GradShape<MA, NB>;
   constexpr int kStages = kGradStages<kDy>;
-  constexpr int kPiece = S::kPiece, kPitchA = S::kPitchA, kPitchB = S::kPitchB;
-  constexpr int kMT = kPiece / 16, kNT = kPiece / 8;
-  extern __shared__ __align__(16) unsigned char grad_raw[];
-  auto* stages = reinterpret_cast<__half*>(grad_raw);
-  __half* w1s = stages + kStages * S::kStageHalves;  // kDy: [MA][kPitchB]
-  const int t = threadIdx.x, warp = t / kWarpSize, lane = t % kWarpSize;
+  constexpr int kKSteps = kWgRows / 16;
+  static_assert(kGradThreads == 2 * kWgThreads, "two warpgroups");
+  static_assert(!kDy || NB == 64 * S::kDyWgs, "dy: 64 columns a warpgroup");
+  extern __shared__ unsigned char grad_raw[];
+  unsigned char* const stages = grad_raw + (1024 - shared_address(grad_raw) % 1024) % 1024;
+  unsigned char* const w1s = stages + kStages * S::kStageBytes;  // kDy: [NB / 64][MA][64]
+  const int t = threadIdx.x, wg = t / kWgThreads, lane = t % kWarpSize;
+  const int wq = (t % kWgThreads) / kWarpSize;  // the warp's place in its warpgroup
   const int g = lane / 4, q = lane % 4;
   const std::int64_t tiles = ceil_div(rows, static_cast<std::int64_t>(kWgRows));
   const std::int64_t per = tiles / gridDim.x, extra = tiles % gridDim.x;
@@ -2217,23 +2216,29 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   const std::int64_t t1 = t0 + per + (blockIdx.x < extra ? 1 : 0);
 
   const auto load_tile = [&](std::int64_t tile, int stage) {
-    __half* as = stages + stage * S::kStageHalves;
-    __half* bs = as + kWgRows * kPitchA;
-    auto* es = reinterpret_cast<int*>(bs + kWgRows * kPitchB);  // [2][64]: ea, eb of the rows
-    // 16-byte pieces: rows past the end read as zeros (widths are constants: no divisions)
-    const auto copy_rows = [&](const __half* src, __half* dst, auto width, auto pitch) {
-      constexpr int kPerRow = decltype(width)::value / 8;
-#pragma unroll 4
-      for (int i = t; i < kWgRows * kPerRow; i += kGradThreads) {
-        const int r = i / kPerRow, c = (i % kPerRow) * 8;
-        const std::int64_t row = tile * kWgRows + r;
-        const bool valid = row < rows;
-        cp_async_16_or_zero(dst + r * decltype(pitch)::value + c,
-                            src + (valid ? row : 0) * decltype(width)::value + c, valid);
+    unsigned char* as = stages + stage * S::kStageBytes;
+    unsigned char* bs = as + kWgRows * MA * 2;
+    auto* es = reinterpret_cast<int*>(bs + kWgRows * NB * 2);  // [2][64]: ea, eb of the rows
+    const int live = static_cast<int>(min(rows - tile * kWgRows, std::int64_t{kWgRows}));
+    // 16-byte pieces: thread t copies piece t % kPerRow of rows t / kPerRow + k kRowStep, a
+    // multiple of 8 apart (so one swizzle phase: each copy is the first one's addresses plus
+    // constants); rows past the end read as zeros
+    const auto copy_rows = [&](const __half* src, unsigned char* dst, auto width) {
+      constexpr int kWidth = decltype(width)::value, kPerRow = kWidth / 8;
+      constexpr int kRowStep = kGradThreads / kPerRow;
+      static_assert(kGradThreads % kPerRow == 0 && kRowStep % 8 == 0, "one swizzle phase");
+      const int r = t / kPerRow, c = (t % kPerRow) * 8;
+      const __half* from = src + (tile * kWgRows + r) * kWidth + c;
+      unsigned char* to = dst + (c / 64) * S::kBlock + swizzled_offset(r, c % 64);
+#pragma unroll
+      for (int k = 0; k < kWgRows / kRowStep; ++k) {
+        const bool valid = r + k * kRowStep < live;
+        cp_async_16_or_zero(to + k * kRowStep * 128, valid ? from + k * kRowStep * kWidth : src,
+                            valid);
       }
     };
-    copy_rows(a, as, std::integral_constant<int, MA>{}, std::integral_constant<int, kPitchA>{});
-    copy_rows(b, bs, std::integral_constant<int, NB>{}, std::integral_constant<int, kPitchB>{});
+    copy_rows(a, as, std::integral_constant<int, MA>{});
+    copy_rows(b, bs, std::integral_constant<int, NB>{});
     if (t < 2 * kWgRows / 4) {  // 16-byte pieces of the exponents: rows past the end read 0
       const int* e = t < kWgRows / 4 ? ea : eb;
       const int r = 4 * (t % (kWgRows / 4));
@@ -2275,32 +2280,27 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     atomicMax(&largest, most);
     __syncthreads();
     w_exp = row_exponent(__int_as_float(largest));
-    const float scale = power_of_two(w_exp);
-    for (int i = t; i < MA * NB / 2; i += kGradThreads) {
-      const float2 v = reinterpret_cast<const float2*>(w1)[i];
-      const int r = 2 * i / NB, c = 2 * i % NB;
-      *reinterpret_cast<std::uint32_t*>(w1s + r * kPitchB + c) =
-          pack_half2(v.x * scale, v.y * scale);
-    }
+    stage_swizzled(w1, MA, NB, w1s, power_of_two(w_exp));
   }
 
-  const int m_base = (warp / S::kWarpsN) * kPiece, n_base = (warp % S::kWarpsN) * kPiece;
-  float acc[kMT][kNT][4];
+  const int m0 = S::kSplitM ? wg * (MA / 2) : 0, n0 = S::kSplitM ? 0 : wg * (NB / 2);
+  float acc[S::kMs][S::kChunks][S::kChunk / 2];
 #pragma unroll
   for (auto& m : acc) {
 #pragma unroll
-    for (auto& n : m) n[0] = n[1] = n[2] = n[3] = 0.0f;
+    for (auto& n : m) {
+#pragma unroll
+      for (float& v : n) v = 0.0f;
+    }
   }
   // 2^(e_min - E_r) for rows r and r + 1 of a stage's exponents, as float16 (rows past the end,
   // whose values are zeros, take 1)
   const auto factors = [&](const int* es, int r) {
-    float f[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int shift = min(e_min - (es[r + i] + es[kWgRows + r + i]), 0);
-      f[i] = shift < -24 ? 0.0f : power_of_two(shift);
-    }
-    return __floats2half2_rn(f[0], f[1]);
+    const int2 e_a = *reinterpret_cast<const int2*>(es + r);  // r is even
+    const int2 e_b = *reinterpret_cast<const int2*>(es + kWgRows + r);
+    const int shift[2] = {min(e_min - (e_a.x + e_b.x), 0), min(e_min - (e_a.y + e_b.y), 0)};
+    return __floats2half2_rn(shift[0] < -24 ? 0.0f : power_of_two(shift[0]),
+                             shift[1] < -24 ? 0.0f : power_of_two(shift[1]));
   };
   const auto scale_pair = [](std::uint32_t& r, __half2 f) {
     const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&r), f);
@@ -2309,120 +2309,147 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   for (std::int64_t tile = t0; tile < t1; ++tile) {
     const int stage = static_cast<int>((tile - t0) % kStages);
     cp_async_wait<kStages - 2>();
+    fence_proxy_async_shared();  // the tensor cores read what cp.async (and W1's staging) wrote
     __syncthreads();  // the tile landed for every thread; the stage refilled below is free
     {
       const std::int64_t next = tile + kStages - 1;
       if (next < t1) load_tile(next, static_cast<int>((next - t0) % kStages));
       cp_async_commit();
     }
-    const __half* as = stages + stage * S::kStageHalves;
-    const __half* bs = as + kWgRows * kPitchA;
-    const auto* es = reinterpret_cast<const int*>(bs + kWgRows * kPitchB);
+    const unsigned char* as = stages + stage * S::kStageBytes;
+    const unsigned char* bs = as + kWgRows * MA * 2;
+    const auto* es = reinterpret_cast<const int*>(bs + kWgRows * NB * 2);
+    // A^T fragments of the warpgroup's rows of MA: registers 0 and 1 of a fragment hold rows
+    // (k) 2 q and 2 q + 1 of the k step, 2 and 3 rows 2 q + 8 and 2 q + 9.
+    std::uint32_t af[kKSteps][S::kMs][4];
 #pragma unroll
-    for (int ks = 0; ks < kWgRows / 16; ++ks) {
-      // A^T fragments: A is stored [k = row][m]; B fragments from [k = row][n]; both transposed.
-      // Registers 0 and 1 of an A fragment hold rows (k) 2 q and 2 q + 1; 2 and 3 rows 2 q + 8
-      // and 2 q + 9.
+    for (int ks = 0; ks < kKSteps; ++ks) {
       const __half2 f_low = factors(es, 16 * ks + 2 * q), f_high = factors(es, 16 * ks + 2 * q + 8);
-      std::uint32_t af[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        ldmatrix_x4_trans(af[mt], as + (16 * ks + lane % 8 + 8 * (lane / 16)) * kPitchA + m_base +
-                                      16 * mt + 8 * ((lane / 8) % 2));
-        scale_pair(af[mt][0], f_low);
-        scale_pair(af[mt][1], f_low);
-        scale_pair(af[mt][2], f_high);
-        scale_pair(af[mt][3], f_high);
-      }
-#pragma unroll
-      for (int np = 0; np < kNT / 2; ++np) {
-        mma_b16x16<kPitchB>(acc, np, af, bs + 16 * ks * kPitchB + n_base + 16 * np, lane);
+      for (int mb = 0; mb < S::kMs; ++mb) {
+        const int k = 16 * ks + lane % 8 + 8 * (lane / 16);
+        const int m = m0 + 64 * mb + 16 * wq + 8 * ((lane / 8) % 2);
+        ldmatrix_x4_trans(af[ks][mb], as + (m / 64) * S::kBlock + swizzled_offset(k, m % 64));
+        scale_pair(af[ks][mb][0], f_low);
+        scale_pair(af[ks][mb][1], f_low);
+        scale_pair(af[ks][mb][2], f_high);
+        scale_pair(af[ks][mb][3], f_high);
       }
     }
+    float dacc[32];  // kDy: the warpgroup's dy [64 rows][64 columns]
+#pragma unroll
+    for (float& v : dacc) v = 0.0f;
+    wgmma_fence();
     if constexpr (kDy) {
-      // dy [64 rows][NB] = A_tile [64][MA] W1 [MA][NB]: warps of 32 columns by 64 / (8 / (NB / 32))
-      // rows.
-      constexpr int kDyWarpsN = NB / 32, kDyRows = kWgRows / (kGradThreads / kWarpSize / kDyWarpsN);
-      constexpr int kDyMT = kDyRows / 16;
-      const int dm = (warp / kDyWarpsN) * kDyRows, dn = (warp % kDyWarpsN) * 32;
-      float dacc[kDyMT][4][4];
+      // (NB = 64: both warpgroups, warpgroup 1's copy unused, so that no branch serializes the
+      // MMAs)
+      const std::uint64_t a_desc = swizzled_descriptor(as);
+      const std::uint64_t w_desc =
+          mn_major_descriptor(w1s + (wg % S::kDyWgs) * MA * 128, MA * 128);
 #pragma unroll
-      for (auto& m : dacc) {
-#pragma unroll
-        for (auto& n : m) n[0] = n[1] = n[2] = n[3] = 0.0f;
-      }
-#pragma unroll 4
       for (int ks = 0; ks < MA / 16; ++ks) {
-        std::uint32_t af[kDyMT][4];
+        wgmma_ss<__half, 64, true>(
+            dacc, advance_descriptor(a_desc, (ks / 4) * S::kBlock + (ks % 4) * 32),
+            advance_descriptor(w_desc, ks * 16 * 128), true);
+      }
+      wgmma_commit();
+    }
 #pragma unroll
-        for (int mt = 0; mt < kDyMT; ++mt) {
-          ldmatrix_x4(af[mt], as + (dm + 16 * mt + lane % 8 + 8 * ((lane / 8) % 2)) * kPitchA +
-                                  16 * ks + 8 * (lane / 16));
-        }
+    for (int ch = 0; ch < S::kChunks; ++ch) {
+      const std::uint64_t b_desc =
+          mn_major_descriptor(bs + ((n0 + ch * S::kChunk) / 64) * S::kBlock, S::kBlock);
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          mma_b16x16<kPitchB>(dacc, np, af, w1s + 16 * ks * kPitchB + dn + 16 * np, lane);
+      for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+        for (int mb = 0; mb < S::kMs; ++mb) {
+          wgmma_rs<__half, S::kChunk, true>(acc[mb][ch], af[ks][mb],
+                                            advance_descriptor(b_desc, ks * 16 * 128), true);
         }
       }
+    }
+    wgmma_commit();
+    if constexpr (kDy) {
+      wgmma_wait<1>();
+      wgmma_fence_operands(dacc);
       // float32: each row unscaled by its exponent; float16: each 32-column segment of a row
-      // (one warp's) scaled by its own power of two, with no exchange between the warps of a row
-#pragma unroll
-      for (int mt = 0; mt < kDyMT; ++mt) {
+      // scaled by its own power of two, with no exchange between warps
+      if (wg < S::kDyWgs) {
+        const int dn = 64 * wg;
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-          const int r = dm + 16 * mt + g + 8 * h2;
+          const int r = 16 * wq + g + 8 * h2;
           const std::int64_t row = tile * kWgRows + r;
           if constexpr (std::is_same_v<D, float>) {
             if (row >= rows) continue;
             const int unscale = -(es[r] + w_exp);
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * nt + 2 * q) =
-                  make_float2(ldexpf(dacc[mt][nt][2 * h2], unscale),
-                              ldexpf(dacc[mt][nt][2 * h2 + 1], unscale));
+            for (int j = 0; j < 8; ++j) {
+              *reinterpret_cast<float2*>(dy + row * NB + dn + 8 * j + 2 * q) =
+                  make_float2(ldexpf(dacc[4 * j + 2 * h2], unscale),
+                              ldexpf(dacc[4 * j + 2 * h2 + 1], unscale));
             }
           } else {
-            float most = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              most = fmaxf(most, fmaxf(fabsf(dacc[mt][nt][2 * h2]),
-                                       fabsf(dacc[mt][nt][2 * h2 + 1])));
-            }
-            most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 1));
-            most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 2));
-            const int e = row_exponent(most);
-            const float scale = power_of_two(e);
-            std::uint32_t piece[4];
+            for (int s = 0; s < 2; ++s) {  // 32-column segments
+              float most = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < 4; ++nt) {
-              piece[nt] =
-                  pack_half2(dacc[mt][nt][2 * h2] * scale, dacc[mt][nt][2 * h2 + 1] * scale);
+              for (int j = 4 * s; j < 4 * s + 4; ++j) {
+                most = fmaxf(most, fmaxf(fabsf(dacc[4 * j + 2 * h2]),
+                                         fabsf(dacc[4 * j + 2 * h2 + 1])));
+              }
+              most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 1));
+              most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, 2));
+              const int e = row_exponent(most);
+              const float scale = power_of_two(e);
+              std::uint32_t piece[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int j = 4 * s + i;
+                piece[i] = pack_half2(dacc[4 * j + 2 * h2] * scale,
+                                      dacc[4 * j + 2 * h2 + 1] * scale);
+              }
+              quad_transpose(piece, q);
+              if (row >= rows) continue;
+              store_quad(dy + row * NB + dn + 32 * s, piece, q);
+              if (q == 0) dy_exps[row * kDySegments<NB> + dn / 32 + s] = es[r] + w_exp + e;
             }
-            quad_transpose(piece, q);
-            if (row >= rows) continue;
-            store_quad(dy + row * NB + dn, piece, q);
-            if (q == 0) dy_exps[row * kDySegments<NB> + dn / 32] = es[r] + w_exp + e;
           }
         }
       }
     }
+    wgmma_wait<0>();  // before the next tile's barrier frees this stage
+#pragma unroll
+    for (auto& m : acc) {
+#pragma unroll
+      for (auto& n : m) wgmma_fence_operands(n);
+    }
+#pragma unroll
+    for (auto& k : af) wgmma_fence_operands(k);
   }
   cp_async_wait<0>();
-  // The piece, times alpha 2^-E (no tiles: zeros).
+  // The warpgroup's piece, times alpha 2^-E (no tiles: zeros).
   float* dst = part + static_cast<std::int64_t>(blockIdx.x) * MA * NB;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mb = 0; mb < S::kMs; ++mb) {
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int m = m_base + 16 * mt + g + 8 * h2;
+    for (int ch = 0; ch < S::kChunks; ++ch) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const float x0 = t0 < t1 ? alpha * ldexpf(acc[mt][nt][2 * h2], -e_min) : 0.0f;
-        const float x1 = t0 < t1 ? alpha * ldexpf(acc[mt][nt][2 * h2 + 1], -e_min) : 0.0f;
-        *reinterpret_cast<float2*>(dst + m * NB + n_base + 8 * nt + 2 * q) = make_float2(x0, x1);
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int m = m0 + 64 * mb + 16 * wq + g + 8 * h2;
+#pragma unroll
+        for (int j = 0; j < S::kChunk / 8; ++j) {
+          const float* v = acc[mb][ch] + 4 * j + 2 * h2;
+          const float x0 = t0 < t1 ? alpha * ldexpf(v[0], -e_min) : 0.0f;
+          const float x1 = t0 < t1 ? alpha * ldexpf(v[1], -e_min) : 0.0f;
+          *reinterpret_cast<float2*>(dst + m * NB + n0 + ch * S::kChunk + 8 * j + 2 * q) =
+              make_float2(x0, x1);
+        }
       }
     }
   }
+#else
+  __trap();
+#endif
 }
 
 // ------------------------------------------------------------------------------------ host
