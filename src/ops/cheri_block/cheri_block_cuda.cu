@@ -868,6 +868,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   load_vec<float, V>(w + 2 * p.c + c0, w2);
   const auto x_row = [&](std::int64_t l) { return xs + static_cast<int>(l - xlo) * cc + c0; };
   const auto dc_row = [&](std::int64_t l) { return dc + static_cast<int>(l - dlo) * cc + c0; };
+  // grad_out (the residual's share of grad_x) of the thread's first kEarly rows, 16 bytes each,
+  // loaded now so that their latency passes under the copies and dconv (each was a dependent
+  // load a row); kEarly covers every row of a thread where C / V divides kThreads (kBlockElements
+  // / (V kThreads) rows)
+  static_assert(V * sizeof(T) == 16, "a thread's piece of a row is 16 bytes");
+  constexpr int kEarly = kResidual ? static_cast<int>(kBlockElements / (V * kThreads)) : 0;
+  union Piece {
+    uint4 raw;
+    T e[V];
+  } early[kEarly > 0 ? kEarly : 1];
+#pragma unroll
+  for (int i = 0; i < kEarly; ++i) {
+    const std::int64_t l = b.l0 + first + static_cast<std::int64_t>(i) * b.lanes;
+    if (active && l < b.l1) {
+      early[i].raw = __ldg(reinterpret_cast<const uint4*>(row_of<T>(p.grad_out, b.n, l) + c0));
+    }
+  }
   mbarrier_wait(&arrived, 0);
 
   // dconv = rstd (dy - mean(dy) - y mean(dy y)), y = (conv - mean) rstd, into dc (over dy there
@@ -915,8 +932,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();  // every row's dconv is in place
 
   float gw[3][V] = {};  // [tap][channel]
-  if (active) {
-    for (std::int64_t l = b.l0 + first; l < b.l1; l += b.lanes) {
+  // grad_x of row l (plus `residual`, grad_out there) and the row's share of the weight gradient
+  const auto row_grad = [&](std::int64_t l, const float (&residual)[V]) {
       float mid[V], side[V], gx[V], xv[V];
       load_shared_vec<float, V>(dc_row(l), mid);
 #pragma unroll
@@ -931,7 +948,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
       }
-      store_grad_x<T, V, kResidual>(p, b.n, l, c0, gx);
+      if constexpr (kResidual) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) gx[k] += residual[k];
+      }
+      store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
       load_shared_vec<T, V>(x_row(l), xv);
 #pragma unroll
       for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
@@ -945,6 +966,21 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
         for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * xv[k];
       }
+  };
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < kEarly; ++i) {
+      const std::int64_t l = b.l0 + first + static_cast<std::int64_t>(i) * b.lanes;
+      float residual[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) residual[k] = to_float(early[i].e[k]);
+      if (l < b.l1) row_grad(l, residual);
+    }
+    for (std::int64_t l = b.l0 + first + static_cast<std::int64_t>(kEarly) * b.lanes; l < b.l1;
+         l += b.lanes) {
+      float residual[V] = {};
+      if constexpr (kResidual) load_vec<T, V>(row_of<T>(p.grad_out, b.n, l) + c0, residual);
+      row_grad(l, residual);
     }
   }
   __syncthreads();  // the stage is free: it holds the threads' sums next
