@@ -988,14 +988,24 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
-/// dst[j / cols, j % cols] = sum over i of part[i, j], in order of i (double), j < width.
+/// The quad order of a row's columns: within each group of 32, column 8 a + 2 q + e (the pair a
+/// of lane q of a quad in the m16n8 fragment layouts, e = 0, 1) at position 8 q + 2 a + e, which
+/// is where store_quad (below) puts a lane's four pairs untransposed (one 16-byte store, and no
+/// shuffles). It is its own inverse, keeps pairs together and leaves whole groups in place.
+__host__ __device__ constexpr int quad_order(int i) {
+  return (i & ~31) | (((i >> 1) & 3) << 3) | (((i >> 3) & 3) << 1) | (i & 1);
+}
+
+/// dst[j / cols, j % cols] = sum over i of part[i, j], in order of i (double), j < width; with
+/// `quad`, part's columns are in quad order (cols a multiple of 32): part[i, quad_order(j)].
 __global__ void sum_partials_kernel(const float* part, std::int64_t count, std::int64_t width,
-                                    const CheriMatrix dst, std::int64_t cols) {
+                                    const CheriMatrix dst, std::int64_t cols, bool quad) {
   __shared__ double red[32][33];
   const std::int64_t j = blockIdx.x * 32 + threadIdx.x;
+  const std::int64_t from = quad ? (j & ~std::int64_t{31}) | quad_order(threadIdx.x) : j;
   double s = 0;
   if (j < width) {
-    for (std::int64_t i = threadIdx.y; i < count; i += 32) s += part[i * width + j];
+    for (std::int64_t i = threadIdx.y; i < count; i += 32) s += part[i * width + from];
   }
   red[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
@@ -1313,12 +1323,13 @@ struct WgShared {
 };
 
 /// A dense float32 matrix [rows, cols] (cols a multiple of 64, 16-byte aligned) times `scale` into
-/// `dst` as float16 blocks [cols / 64][rows][64], 128-byte swizzled; the whole block of threads
-/// takes part.
+/// `dst` as float16 blocks [cols / 64][rows][64], 128-byte swizzled, its rows in quad order where
+/// `quad_rows` (rows a multiple of 32); the whole block of threads takes part.
 __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int cols,
-                                               unsigned char* dst, float scale = 1.0f) {
+                                               unsigned char* dst, float scale = 1.0f,
+                                               bool quad_rows = false) {
   for (int i = threadIdx.x; i < rows * cols / 8; i += blockDim.x) {
-    const int e = 8 * i, r = e / cols, k = e % cols;
+    const int e = 8 * i, k = e % cols, r = quad_rows ? quad_order(e / cols) : e / cols;
     const float4 a = __ldg(reinterpret_cast<const float4*>(src + e));
     const float4 b = __ldg(reinterpret_cast<const float4*>(src + e) + 1);
     *reinterpret_cast<uint4*>(dst + static_cast<std::size_t>(k / 64) * rows * 128 +
@@ -1957,14 +1968,16 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4], int q) {
   }
 }
 
-/// Stores `v` (after quad_transpose) as the 8 float16 at columns 8 q .. of a 32-column group.
+/// Stores `v` as the 8 float16 at positions 8 q .. of a 32-column group: after quad_transpose,
+/// columns 8 q .. 8 q + 7; without it, the lane's own columns in quad order (quad_order).
 __device__ __forceinline__ void store_quad(__half* group, const std::uint32_t (&v)[4], int q) {
   *reinterpret_cast<uint4*>(group + 8 * q) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-/// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], each row r of
-/// the last three scaled by 2^exps[k exps_stride + r] (k = 0, 1, 2; exps_stride a multiple of 64,
-/// so that each array starts 256-byte aligned).
+/// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], the columns
+/// of each row in quad order, each row r of the last three scaled by 2^exps[k exps_stride + r]
+/// (k = 0, 1, 2; exps_stride a multiple of 64, so that each array starts 256-byte aligned).
+/// weight_grad_kernel reads them so.
 struct FrontOut {
   __half* y;
   __half* go;
@@ -2082,7 +2095,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         std::uint32_t piece[4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) piece[a] = af[2 * m + a / 2][2 * (a % 2) + h2];
-        quad_transpose(piece, q);
         if (live) store_quad(out.y + row * kC + 32 * m, piece, q);
       }
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
@@ -2126,7 +2138,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float2 x = v[h2][2 * m + a / 2][a % 2];
           piece[a] = pack_half2(x.x * go_scale[h2], x.y * go_scale[h2]);
         }
-        quad_transpose(piece, q);
         if (live) store_quad(out.go + row * kC + 32 * m, piece, q);
       }
     }
@@ -2172,8 +2183,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             sum_dy[h2] += d.x * uj.x + d.y * uj.y;
             sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
           }
-          quad_transpose(g_piece, q);
-          quad_transpose(dg_piece, q);
           if (row < rows) {
             store_quad(out.g + row * hidden + hc + 32 * m, g_piece, q);
             store_quad(out.dg + row * hidden + hc + 32 * m, dg_piece, q);
@@ -2336,7 +2345,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     atomicMax(&largest, most);
     __syncthreads();
     w_exp = row_exponent(__int_as_float(largest));
-    stage_swizzled(w1, MA, NB, w1s, power_of_two(w_exp));
+    // its rows (dy's k) in quad order, as dg's columns
+    stage_swizzled(w1, MA, NB, w1s, power_of_two(w_exp), true);
   }
 
   const int m0 = S::kSplitM ? wg * (MA / 2) : 0, n0 = S::kSplitM ? 0 : wg * (NB / 2);
@@ -2483,7 +2493,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     for (auto& k : af) wgmma_fence_operands(k);
   }
   cp_async_wait<0>();
-  // The warpgroup's piece, times alpha 2^-E (no tiles: zeros).
+  // The warpgroup's piece, times alpha 2^-E (no tiles: zeros), its rows out of quad order, its
+  // columns still in it (whole 32-byte sectors a quad; sum_partials takes them out).
   float* dst = part + static_cast<std::int64_t>(blockIdx.x) * MA * NB;
 #pragma unroll
   for (int mb = 0; mb < S::kMs; ++mb) {
@@ -2491,7 +2502,7 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     for (int ch = 0; ch < S::kChunks; ++ch) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        const int m = m0 + 64 * mb + 16 * wq + g + 8 * h2;
+        const int m = quad_order(m0 + 64 * mb + 16 * wq + g + 8 * h2);
 #pragma unroll
         for (int j = 0; j < S::kChunk / 8; ++j) {
           const float* v = acc[mb][ch] + 4 * j + 2 * h2;
@@ -2615,9 +2626,10 @@ const float* dense_float32(const CheriMatrix& m, std::int64_t rows, std::int64_t
 }
 
 void sum_partials(const float* part, std::int64_t count, std::int64_t width,
-                  const CheriMatrix& dst, std::int64_t cols, cudaStream_t stream) {
+                  const CheriMatrix& dst, std::int64_t cols, cudaStream_t stream,
+                  bool quad = false) {
   const auto blocks = static_cast<unsigned>(ceil_div(width, 32));
-  sum_partials_kernel<<<blocks, dim3(32, 32), 0, stream>>>(part, count, width, dst, cols);
+  sum_partials_kernel<<<blocks, dim3(32, 32), 0, stream>>>(part, count, width, dst, cols, quad);
   FUSEKIT_CUDA_CHECK_LAUNCH("sum_partials_kernel");
 }
 
@@ -3231,8 +3243,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
                              nullptr, device, stream);
-  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream);
-  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream);
+  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream, true);
+  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream, true);
   if (scaled_dy) {
     conv_norm_backward<float, __half>(p, conv_w, dy, true, device, stream, means, dy_exps);
   } else {
