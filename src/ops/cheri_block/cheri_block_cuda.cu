@@ -934,38 +934,38 @@ __global__ void __launch_bounds__(kThreads, 2)
   float gw[3][V] = {};  // [tap][channel]
   // grad_x of row l (plus `residual`, grad_out there) and the row's share of the weight gradient
   const auto row_grad = [&](std::int64_t l, const float (&residual)[V]) {
-      float mid[V], side[V], gx[V], xv[V];
-      load_shared_vec<float, V>(dc_row(l), mid);
+    float mid[V], side[V], gx[V], xv[V];
+    load_shared_vec<float, V>(dc_row(l), mid);
 #pragma unroll
-      for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k];
-      if (l + d < p.l) {
-        load_shared_vec<float, V>(dc_row(l + d), side);
+    for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k];
+    if (l + d < p.l) {
+      load_shared_vec<float, V>(dc_row(l + d), side);
 #pragma unroll
-        for (int k = 0; k < V; ++k) gx[k] += w0[k] * side[k];
-      }
-      if (l >= d) {
-        load_shared_vec<float, V>(dc_row(l - d), side);
+      for (int k = 0; k < V; ++k) gx[k] += w0[k] * side[k];
+    }
+    if (l >= d) {
+      load_shared_vec<float, V>(dc_row(l - d), side);
 #pragma unroll
-        for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
-      }
-      if constexpr (kResidual) {
+      for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
+    }
+    if constexpr (kResidual) {
 #pragma unroll
-        for (int k = 0; k < V; ++k) gx[k] += residual[k];
-      }
-      store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
-      load_shared_vec<T, V>(x_row(l), xv);
+      for (int k = 0; k < V; ++k) gx[k] += residual[k];
+    }
+    store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
+    load_shared_vec<T, V>(x_row(l), xv);
 #pragma unroll
-      for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
-      if (l >= d) {
-        load_shared_vec<T, V>(x_row(l - d), xv);
+    for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
+    if (l >= d) {
+      load_shared_vec<T, V>(x_row(l - d), xv);
 #pragma unroll
-        for (int k = 0; k < V; ++k) gw[0][k] += mid[k] * xv[k];
-      }
-      if (l + d < p.l) {
-        load_shared_vec<T, V>(x_row(l + d), xv);
+      for (int k = 0; k < V; ++k) gw[0][k] += mid[k] * xv[k];
+    }
+    if (l + d < p.l) {
+      load_shared_vec<T, V>(x_row(l + d), xv);
 #pragma unroll
-        for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * xv[k];
-      }
+      for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * xv[k];
+    }
   };
   if (active) {
 #pragma unroll
