@@ -2691,9 +2691,9 @@ CheriActivation dense(float* data, const CheriBlockParams& p) {
 }
 
 /// Shared memory of conv_norm_backward_staged_kernel for the plane passes' blocks (plane_grid),
-/// or 0 where that kernel does not apply: it needs dy in float32 (or in float16 scaled per row,
-/// `scaled`), x and dy in dense 16-byte aligned rows, sm_90, a halo of at most half a block's
-/// rows, and the block's rows with their
+/// or 0 where that kernel does not apply: it needs dy in float32 (or, `scaled`, in float16 with
+/// each 32-column segment of a row scaled by its own power of two), x and dy in dense 16-byte
+/// aligned rows, sm_90, a halo of at most half a block's rows, and the block's rows with their
 /// halo (d rows on each side for dy, 2 d for x) in at most kGxStageBytes: two blocks an SM, up to
 /// d = 16 at C = 128 in float32 and d = 32 in half precision (faster than the plain pass at every
 /// d measured, 4, 8 and 16; bench/NOTES.md).
@@ -2749,8 +2749,9 @@ bool gx_vector(const CheriBlockParams& p, const CheriActivation& dy, bool residu
 /// The backward of the norm and the convolution: grad_x (plus grad_out when `residual`) and
 /// grad_conv_weight, from grad_y of type G (x's dtype in the caller's layout, or dense float32).
 /// `known_means`, where given, holds mean(dy) and mean(dy y) of every example already ([N, 2]).
-/// With `dy_exps`, dy is dense float16 whose rows are scaled by 2^dy_exps[n L + l], which only
-/// the staged kernel takes (the caller checks gx_stage_bytes with `scaled`).
+/// With `dy_exps`, dy is dense float16 whose 32-column segments are scaled by
+/// 2^dy_exps[n L + l][c / 32], which only the staged kernel takes (the caller checks
+/// gx_stage_bytes with `scaled`).
 template <typename T, typename G>
 void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const CheriActivation& dy,
                         bool residual, int device, cudaStream_t stream,
@@ -3196,8 +3197,8 @@ void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea,
 /// The backward where the front kernel takes the call (front_fits): the front kernel's float16
 /// intermediates, the weight gradients and dy from weight_grad_kernel (one block an SM, each a
 /// range of tiles, their parts added in a fixed order), then the norm's and convolution's
-/// backward. dy is float16 scaled per row where the staged kernel of that backward applies
-/// (gx_stage_bytes), else float32.
+/// backward. dy is float16, each 32-column segment of a row scaled by its own power of two,
+/// where the staged kernel of that backward applies (gx_stage_bytes), else float32.
 template <int kC>
 void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t stream) {
   constexpr std::int64_t kH = 2 * kC;
