@@ -138,6 +138,8 @@ def mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
         if out is not None:
             _check_out("mhc_post", out, kind, x)
         if _needs_torch_op(inputs if out is None else inputs + (out,)):
+            if out is None and _eager_autograd_call(inputs):
+                return _ops.MhcPostFunction.apply(*inputs)
             return _ops.call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out)
         if out is None:
             out = _empty(residual)
@@ -193,6 +195,17 @@ def _direct_torch_call(tensors):
         if t is not None and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
             return False
     return True
+
+def _eager_autograd_call(tensors):
+    """True when autograd records the call in plain eager mode (`tensors`, None entries skipped,
+    are plain torch.Tensors or nn.Parameters; no compiler or torch dispatch mode is active; grad
+    is enabled). Such calls take the operator's torch.autograd.Function, which calls the library
+    directly: the registered op's Python autograd wrapper costs several hundred microseconds of
+    host time a call, more than a small training step's kernels take. Compilers, modes and
+    subclasses keep the registered op."""
+    if _Tensor is None or _is_compiling() or _dispatch_modes() or not _grad_enabled():
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 
 
 def layernorm_linear_gelu(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5,
@@ -489,6 +502,9 @@ def _cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, resid
                                  _dl(linear2_weight), dilation, residual_scale, eps, _stream(x))
         return out
     inputs = (x, conv_weight, linear1_weight, linear2_weight)
+    if out is None and _eager_autograd_call(inputs):
+        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps,
+                                             allow_tf32)[0]
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
     if out is not None:
         _check_out("cheri_block", out, kind, x)
@@ -513,6 +529,8 @@ def cheri_block_train(x, conv_weight, linear1_weight, linear2_weight, dilation,
         _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), *(_dl(t) for t in inputs), dilation,
                        residual_scale, eps, allow_tf32, _stream(x))
         return out, mean, rstd
+    if _eager_autograd_call(inputs):
+        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps, allow_tf32)
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.cheri_block(*inputs, dilation, residual_scale, eps,
@@ -557,6 +575,8 @@ def dilated_conv_norm(x, conv_weight, dilation, *, eps=1e-3):
         _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation,
                              eps, _stream(x))
         return y, mean, rstd
+    if _eager_autograd_call(inputs):
+        return _ops.DilatedConvNormFunction.apply(x, conv_weight, dilation, eps)
     kind = _framework("dilated_conv_norm", ("x", "conv_weight"), inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.dilated_conv_norm(x, conv_weight, dilation, eps))

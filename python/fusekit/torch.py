@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import torch.utils.dlpack
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 import fusekit
 
@@ -163,6 +164,29 @@ def _mhc_post_autograd(ctx, grad_out):
 
 
 mhc_post.register_autograd(_mhc_post_autograd, setup_context=_mhc_post_setup_context)
+
+
+class MhcPostFunction(torch.autograd.Function):
+    """mhc_post under eager autograd: what the op and its autograd formula compute, through the
+    library directly (the op's Python autograd wrapper costs far more host time than the call:
+    see _eager_autograd_call in fusekit/__init__.py)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, post_layer_mix, comb_res_mix):
+        out = _empty(residual)
+        _C.mhc_post(_dl(out), _dl(x), _dl(residual), _dl(post_layer_mix), _dl(comb_res_mix),
+                    _stream(x))
+        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, residual, post_layer_mix, comb_res_mix = ctx.saved_tensors
+        grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
+        _C.mhc_post_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(residual),
+                             _dl(post_layer_mix), _dl(comb_res_mix), _stream(x))
+        return grads
 
 
 def call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
@@ -508,6 +532,34 @@ dilated_conv_norm.register_autograd(_dilated_conv_norm_autograd,
                                     setup_context=_dilated_conv_norm_setup_context)
 
 
+class DilatedConvNormFunction(torch.autograd.Function):
+    """dilated_conv_norm under eager autograd (as MhcPostFunction): (y, mean, rstd), mean and
+    rstd not differentiable."""
+
+    @staticmethod
+    def forward(ctx, x, conv_weight, dilation, eps):
+        y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+        _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation,
+                             eps, _stream(x))
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
+        ctx.save_for_backward(x, conv_weight, mean, rstd)
+        ctx.dilation, ctx.eps = dilation, eps
+        return y, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, grad_mean, grad_rstd):
+        if grad_y is None:
+            return None, None, None, None
+        x, conv_weight, mean, rstd = ctx.saved_tensors
+        grad_x, grad_conv = _empty(x), _empty(conv_weight)
+        _C.dilated_conv_norm_backward(_dl(grad_x), _dl(grad_conv), _dl(_contiguous_last(grad_y)),
+                                      _dl(x), _dl(conv_weight), _dl(mean), _dl(rstd),
+                                      ctx.dilation, ctx.eps, _stream(x))
+        return grad_x, grad_conv, None, None
+
+
 @torch.library.custom_op("fusekit::cheri_block", mutates_args=())
 def cheri_block(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor, linear2_weight: Tensor,
                 dilation: int, residual_scale: float = 0.15, eps: float = 1e-3,
@@ -586,6 +638,37 @@ _refuse_backward(cheri_block_inference, "cheri_block_inference",
                  "cheri_block_inference: backward was called, but the inference forward saves "
                  "nothing to differentiate; expected fusekit.cheri_block (which takes the "
                  "training path under autograd) or torch.ops.fusekit.cheri_block")
+
+
+class CheriBlockFunction(torch.autograd.Function):
+    """The Cheri block's training forward under eager autograd (as MhcPostFunction): (out, mean,
+    rstd), mean and rstd not differentiable; the backward recomputes everything else."""
+
+    @staticmethod
+    def forward(ctx, x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                eps, allow_tf32):
+        out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+        _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight),
+                       _dl(linear1_weight), _dl(linear2_weight), dilation, residual_scale, eps,
+                       allow_tf32, _stream(x))
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
+        ctx.save_for_backward(x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
+        ctx.options = (dilation, residual_scale, eps, allow_tf32)
+        return out, mean, rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_mean, grad_rstd):
+        if grad_out is None:
+            return (None,) * 8
+        x, conv_weight, linear1_weight, linear2_weight, mean, rstd = ctx.saved_tensors
+        grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
+        _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(_contiguous_last(grad_out)),
+                                _dl(x), _dl(conv_weight), _dl(linear1_weight),
+                                _dl(linear2_weight), _dl(mean), _dl(rstd), *ctx.options,
+                                _stream(x))
+        return (*grads, None, None, None, None)
 
 
 def call_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
