@@ -30,11 +30,11 @@ __device__ __forceinline__ void wait_for_prerequisites() {
 /// Launches `kernel` as a programmatic dependent of the kernel before it on `stream` (sm_90; an
 /// ordinary launch on older devices). Checked like every launch.
 template <typename Kernel, typename... Args>
-void launch_dependent(Kernel kernel, dim3 grid, int threads, std::size_t shared_bytes, int device,
+void launch_dependent(Kernel kernel, dim3 grid, dim3 block, std::size_t shared_bytes, int device,
                       cudaStream_t stream, const Args&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
-  config.blockDim = dim3(threads);
+  config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute{};

@@ -673,6 +673,8 @@ __global__ void grad_sums_finalize_kernel(const float* partial, std::int64_t n_e
 /// [N L, 2], lane i adding rows i, i + 32, ... in double and the lanes then merged in a fixed tree.
 __global__ void row_sums_finalize_kernel(const float* row_sums, std::int64_t n_examples,
                                          std::int64_t len, double plane, float* means) {
+  allow_dependents();
+  wait_for_prerequisites();  // launched as a dependent of the front kernel
   const std::int64_t n = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) /
                          kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
@@ -829,6 +831,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(std::is_same_v<G, float> || std::is_same_v<G, __half>, "float or scaled half dy");
   extern __shared__ __align__(128) unsigned char gx_stage_raw[];
   __shared__ std::uint64_t arrived;
+  allow_dependents();
+  wait_for_prerequisites();  // launched as a dependent of the kernel that wrote dy
   const PlaneBlock b = plane_block<V>(p, rows, chunks);
   const int t = threadIdx.x, cc = static_cast<int>(p.c);
   const std::int64_t d = p.dilation, halo = d < p.l ? d : 0;
@@ -996,23 +1000,81 @@ __host__ __device__ constexpr int quad_order(int i) {
   return (i & ~31) | (((i >> 1) & 3) << 3) | (((i >> 3) & 3) << 1) | (i & 1);
 }
 
-/// dst[j / cols, j % cols] = sum over i of part[i, j], in order of i (double), j < width; with
-/// `quad`, part's columns are in quad order (cols a multiple of 32): part[i, quad_order(j)].
-__global__ void sum_partials_kernel(const float* part, std::int64_t count, std::int64_t width,
-                                    const CheriMatrix dst, std::int64_t cols, bool quad) {
-  __shared__ double red[32][33];
-  const std::int64_t j = blockIdx.x * 32 + threadIdx.x;
-  const std::int64_t from = quad ? (j & ~std::int64_t{31}) | quad_order(threadIdx.x) : j;
-  double s = 0;
-  if (j < width) {
-    for (std::int64_t i = threadIdx.y; i < count; i += 32) s += part[i * width + from];
+/// Warps of a block of sum_partials_kernel, each taking every kSumWarps-th row of its range.
+constexpr int kSumWarps = 8;
+
+/// V adjacent values of `part` (16-byte aligned where V is 4).
+template <typename In, int V>
+__device__ __forceinline__ void load_sum_piece(const In* part, In (&v)[V]) {
+  if constexpr (V == 4 && std::is_same_v<In, float>) {
+    const float4 f = *reinterpret_cast<const float4*>(part);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else if constexpr (V == 4) {
+    const double2 a = reinterpret_cast<const double2*>(part)[0];
+    const double2 b = reinterpret_cast<const double2*>(part)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = part[k];
   }
-  red[threadIdx.y][threadIdx.x] = s;
+}
+
+/// Sums over the rows of part [count, width] (float32 parts, or the double sums of a first pass),
+/// in double and a fixed order: block (x, y) takes columns [(32 x + lane) V, + V) of its lanes and
+/// rows [y per, (y + 1) per); warp w of it rows w, w + kSumWarps, ... of that range, four rows'
+/// loads issued together, and the warps' sums are added in order of w. With `segments`, a
+/// range's sums go to segments [gridDim.y, width] for a second pass over them; else column j
+/// goes to dst[j / cols, j % cols], or column quad_order(j) where part's columns are in quad
+/// order (cols a multiple of 32).
+template <typename In, int V>
+__global__ void __launch_bounds__(kSumWarps* kWarpSize)
+    sum_partials_kernel(const In* part, std::int64_t count, std::int64_t width, std::int64_t per,
+                        double* segments, const CheriMatrix dst, std::int64_t cols, bool quad) {
+  __shared__ double red[kSumWarps][V][kWarpSize];
+  allow_dependents();
+  wait_for_prerequisites();  // launched as a dependent of the kernel that wrote part
+  const std::int64_t from = (blockIdx.x * std::int64_t{kWarpSize} + threadIdx.x) * V;
+  const std::int64_t r1 = std::min(count, (blockIdx.y + 1) * per);
+  double s[V] = {};
+  if (from < width) {
+    constexpr int kUnroll = 4;
+    std::int64_t r = blockIdx.y * per + threadIdx.y;
+    for (; r + (kUnroll - 1) * kSumWarps < r1; r += kUnroll * kSumWarps) {
+      In v[kUnroll][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        load_sum_piece<In, V>(part + (r + u * kSumWarps) * width + from, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) s[k] += v[u][k];
+      }
+    }
+    for (; r < r1; r += kSumWarps) {
+      In v[V];
+      load_sum_piece<In, V>(part + r * width + from, v);
+#pragma unroll
+      for (int k = 0; k < V; ++k) s[k] += v[k];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) red[threadIdx.y][k][threadIdx.x] = s[k];
   __syncthreads();
-  if (threadIdx.y == 0 && j < width) {
+  if (threadIdx.y != 0 || from >= width) return;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
     double total = 0;
-    for (int i = 0; i < 32; ++i) total += red[i][threadIdx.x];
-    store_weight(dst, j / cols, j % cols, static_cast<float>(total));
+#pragma unroll
+    for (int w = 0; w < kSumWarps; ++w) total += red[w][k][threadIdx.x];
+    const std::int64_t j = from + k;
+    if (segments) {
+      segments[blockIdx.y * width + j] = total;
+    } else {
+      const std::int64_t to =
+          quad ? (j & ~std::int64_t{31}) | quad_order(static_cast<int>(j & 31)) : j;
+      store_weight(dst, to / cols, to % cols, static_cast<float>(total));
+    }
   }
 }
 
@@ -2015,6 +2077,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* cw = shared.cw;
   float* u = cw + 3 * kC;  // [E C]: the row sums of linear1
   float* norms = u + hidden;  // [2]: the largest |W1_j| and |W2^T_j| (as int bits, for atomicMax)
+  allow_dependents();  // its dependent waits for the whole kernel
 
   stage_swizzled(w1, hidden, kC, w1s);
   stage_swizzled(w2t, hidden, kC, w2s);
@@ -2319,6 +2382,24 @@ __global__ void __launch_bounds__(kGradThreads, 1)
       }
     }
   };
+  allow_dependents();
+  // dy's operand W1 [MA = E C][NB = C], and its exponent: the caller's weights, staged before
+  // the wait, under the previous kernel's tail.
+  int w_exp = 0;
+  if constexpr (kDy) {
+    __shared__ int largest;
+    if (t == 0) largest = 0;
+    __syncthreads();
+    int most = 0;
+    for (int i = t; i < MA * NB; i += kGradThreads) most = max(most, __float_as_int(fabsf(w1[i])));
+    atomicMax(&largest, most);
+    __syncthreads();
+    w_exp = row_exponent(__int_as_float(largest));
+    // its rows (dy's k) in quad order, as dg's columns
+    stage_swizzled(w1, MA, NB, w1s, power_of_two(w_exp), true);
+  }
+
+  wait_for_prerequisites();  // launched as a dependent of the kernel that wrote a and b
   for (int s = 0; s < kStages - 1; ++s) {
     if (t0 + s < t1) load_tile(t0 + s, s);
     cp_async_commit();
@@ -2332,21 +2413,6 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   }
   for (int mask = 1; mask < kWarpSize; mask *= 2) {
     e_min = min(e_min, __shfl_xor_sync(0xffffffffu, e_min, mask));
-  }
-
-  // dy's operand W1 [MA = E C][NB = C], and its exponent.
-  int w_exp = 0;
-  if constexpr (kDy) {
-    __shared__ int largest;
-    if (t == 0) largest = 0;
-    __syncthreads();
-    int most = 0;
-    for (int i = t; i < MA * NB; i += kGradThreads) most = max(most, __float_as_int(fabsf(w1[i])));
-    atomicMax(&largest, most);
-    __syncthreads();
-    w_exp = row_exponent(__int_as_float(largest));
-    // its rows (dy's k) in quad order, as dg's columns
-    stage_swizzled(w1, MA, NB, w1s, power_of_two(w_exp), true);
   }
 
   const int m0 = S::kSplitM ? wg * (MA / 2) : 0, n0 = S::kSplitM ? 0 : wg * (NB / 2);
@@ -2625,12 +2691,46 @@ const float* dense_float32(const CheriMatrix& m, std::int64_t rows, std::int64_t
   return dst;
 }
 
+/// One pass of sum_partials_kernel over part [count, width], ranges of `per` rows a block.
+template <typename In>
+void sum_partials_pass(const In* part, std::int64_t count, std::int64_t width, std::int64_t per,
+                       double* segments, const CheriMatrix& dst, std::int64_t cols, bool quad,
+                       int device, cudaStream_t stream) {
+  const auto launch = [&](auto kernel, int v) {
+    const dim3 grid(static_cast<unsigned>(ceil_div(width, std::int64_t{kWarpSize} * v)),
+                    static_cast<unsigned>(std::max<std::int64_t>(1, ceil_div(count, per))));
+    launch_dependent(kernel, grid, dim3(kWarpSize, kSumWarps), 0, device, stream, part, count,
+                     width, per, segments, dst, cols, quad);
+  };
+  if (width % 4 == 0) {
+    launch(sum_partials_kernel<In, 4>, 4);
+  } else {
+    launch(sum_partials_kernel<In, 1>, 1);
+  }
+}
+
+/// dst[j / cols, j % cols] = the sum over i of part[i, j] (part [count, width], 256-byte aligned),
+/// in double and an order fixed by the shapes; with `quad`, part's columns are in quad order. Up
+/// to kSumOnePassRows rows in one pass (256 rows: 32 a thread); more in two, the first over
+/// ranges of kSumRangeRows rows (16 a thread), so that enough blocks run: the weight-gradient
+/// kernels' parts are one a block of a few hundred, the convolution's one a block of thousands.
 void sum_partials(const float* part, std::int64_t count, std::int64_t width,
-                  const CheriMatrix& dst, std::int64_t cols, cudaStream_t stream,
+                  const CheriMatrix& dst, std::int64_t cols, int device, cudaStream_t stream,
                   bool quad = false) {
-  const auto blocks = static_cast<unsigned>(ceil_div(width, 32));
-  sum_partials_kernel<<<blocks, dim3(32, 32), 0, stream>>>(part, count, width, dst, cols, quad);
-  FUSEKIT_CUDA_CHECK_LAUNCH("sum_partials_kernel");
+  constexpr std::int64_t kSumOnePassRows = 32 * kSumWarps, kSumRangeRows = 16 * kSumWarps;
+  constexpr std::int64_t kMaxRanges = 65535;  // gridDim.y
+  if (width == 0) return;
+  if (count <= kSumOnePassRows) {
+    sum_partials_pass(part, count, width, std::max<std::int64_t>(count, 1), nullptr, dst, cols,
+                      quad, device, stream);
+    return;
+  }
+  const std::int64_t per = std::max(kSumRangeRows, ceil_div(count, kMaxRanges));
+  const std::int64_t ranges = ceil_div(count, per);
+  const StreamWorkspace ws(doubles(ranges * width), stream);
+  sum_partials_pass(part, count, width, per, ws.as<double>(), dst, cols, quad, device, stream);
+  sum_partials_pass(ws.as<const double>(), ranges, width, ranges, nullptr, dst, cols, quad, device,
+                    stream);
 }
 
 /// Calls f(std::integral_constant<int, V>) with V = 16 bytes of T when `vector`, else 1.
@@ -2733,9 +2833,8 @@ void launch_gx_staged(const CheriBlockParams& p, const float* conv_w, const Cher
   allow_shared_memory(kernel, kGxStageBytes, device, allowed, true, [] {
     return concat(kOp, ": the staged backward of the convolution and norm");
   });
-  kernel<<<static_cast<unsigned>(p.n * g.chunks), kThreads, bytes, stream>>>(
-      p, conv_w, dy, dy_exps, means, g.rows, g.chunks, part);
-  FUSEKIT_CUDA_CHECK_LAUNCH("conv_norm_backward_staged_kernel");
+  launch_dependent(kernel, dim3(static_cast<unsigned>(p.n * g.chunks)), kThreads, bytes, device,
+                   stream, p, conv_w, dy, dy_exps, means, g.rows, g.chunks, part);
 }
 
 /// Whether conv_norm_backward's rows can be read and written in 16-byte pieces.
@@ -2814,7 +2913,7 @@ void conv_norm_backward(const CheriBlockParams& p, const float* conv_w, const Ch
       }
     });
   }
-  sum_partials(part, blocks, 3 * p.c, p.grad_conv_weight, p.c, stream);
+  sum_partials(part, blocks, 3 * p.c, p.grad_conv_weight, p.c, device, stream);
 }
 
 // ------------------------------------------------------------------------------------ cuBLASLt
@@ -3149,10 +3248,10 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
                                                                        row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
   constexpr int kFinalizeThreads = 128;  // 4 examples a block
-  row_sums_finalize_kernel<<<static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads)),
-                             kFinalizeThreads, 0, stream>>>(
-      row_sums, p.n, p.l, static_cast<double>(p.l * p.c), means);
-  FUSEKIT_CUDA_CHECK_LAUNCH("row_sums_finalize_kernel");
+  launch_dependent(row_sums_finalize_kernel,
+                   dim3(static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads))),
+                   kFinalizeThreads, 0, device, stream, static_cast<const float*>(row_sums), p.n,
+                   p.l, static_cast<double>(p.l * p.c), means);
 }
 
 /// The backward's weights as dense float32, in the workspace pieces at the given offsets where
@@ -3189,9 +3288,8 @@ void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea,
   allow_shared_memory(kernel, kBytes, device, allowed, false, [&] {
     return concat(kOp, ": the weight-gradient kernel (", MA, " x ", NB, ")");
   });
-  kernel<<<grid, kGradThreads, kBytes, stream>>>(a, b, ea, eb, rows, alpha, part, w1, dy,
-                                                 dy_exps);
-  FUSEKIT_CUDA_CHECK_LAUNCH("weight_grad_kernel");
+  launch_dependent(kernel, dim3(grid), kGradThreads, kBytes, device, stream, a, b, ea, eb, rows,
+                   alpha, part, w1, dy, dy_exps);
 }
 
 /// The backward where the front kernel takes the call (front_fits): the front kernel's float16
@@ -3244,8 +3342,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
                              nullptr, device, stream);
-  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, stream, true);
-  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, stream, true);
+  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, device, stream, true);
+  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, device, stream, true);
   if (scaled_dy) {
     conv_norm_backward<float, __half>(p, conv_w, dy, true, device, stream, means, dy_exps);
   } else {
@@ -3318,8 +3416,8 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
     gemm({.m = rows, .n = c, .k = h, .a = {dg, h, false}, .b = {w1, c, false}, .d = y, .ldd = c},
          tf32, device, stream);
   }
-  sum_partials(part2, count2, c * h, p.grad_linear2, h, stream);
-  sum_partials(part1, count1, h * c, p.grad_linear1, c, stream);
+  sum_partials(part2, count2, c * h, p.grad_linear2, h, device, stream);
+  sum_partials(part1, count1, h * c, p.grad_linear1, c, device, stream);
   conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream, nullptr);
 }
 
