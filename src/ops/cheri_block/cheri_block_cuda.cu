@@ -669,28 +669,30 @@ __global__ void grad_sums_finalize_kernel(const float* partial, std::int64_t n_e
   means[2 * n + 1] = static_cast<float>(c / plane);
 }
 
-/// Per example (a warp each): mean(dy) and mean(dy y) from the front kernel's per-row sums
-/// [N L, 2], lane i adding rows i, i + 32, ... in double and the lanes then merged in a fixed tree.
-__global__ void row_sums_finalize_kernel(const float* row_sums, std::int64_t n_examples,
-                                         std::int64_t len, double plane, float* means) {
-  allow_dependents();
-  wait_for_prerequisites();  // launched as a dependent of the front kernel
-  const std::int64_t n = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) /
-                         kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  if (n >= n_examples) return;  // whole warps leave together
+/// The front kernel's per-row sums of dy and dy y (row_sums [N L, 2]) and where their means go
+/// (means [N, 2], over the plane's `plane` values); row_sums null: nothing to do.
+struct RowMeans {
+  const float* row_sums;
+  std::int64_t n_examples, len;
+  double plane;
+  float* means;
+};
+
+/// mean(dy) and mean(dy y) of example n by a warp: lane i adds rows i, i + 32, ... in double,
+/// and the lanes are merged in a fixed tree.
+__device__ void finalize_row_means(const RowMeans& m, std::int64_t n, int lane) {
   double a = 0, c = 0;
-  for (std::int64_t r = lane; r < len; r += kWarpSize) {
-    a += row_sums[2 * (n * len + r)];
-    c += row_sums[2 * (n * len + r) + 1];
+  for (std::int64_t r = lane; r < m.len; r += kWarpSize) {
+    a += m.row_sums[2 * (n * m.len + r)];
+    c += m.row_sums[2 * (n * m.len + r) + 1];
   }
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     a += __shfl_down_sync(0xffffffffu, a, offset);
     c += __shfl_down_sync(0xffffffffu, c, offset);
   }
   if (lane == 0) {
-    means[2 * n] = static_cast<float>(a / plane);
-    means[2 * n + 1] = static_cast<float>(c / plane);
+    m.means[2 * n] = static_cast<float>(a / m.plane);
+    m.means[2 * n + 1] = static_cast<float>(c / m.plane);
   }
 }
 
@@ -2325,7 +2327,7 @@ template <int MA, int NB, bool kDy, typename D>
 __global__ void __launch_bounds__(kGradThreads, 1)
     weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
                        std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
-                       int* dy_exps) {
+                       int* dy_exps, const RowMeans row_means) {
 #ifdef FUSEKIT_WGMMA
   using S = GradShape<MA, NB>;
   constexpr int kStages = kGradStages<kDy>;
@@ -2403,6 +2405,15 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   for (int s = 0; s < kStages - 1; ++s) {
     if (t0 + s < t1) load_tile(t0 + s, s);
     cp_async_commit();
+  }
+  // The norm's means of the front kernel's row sums (read two kernels later), a warp an example,
+  // while the first tiles arrive: where a kernel of their own sat behind the front kernel's tail.
+  if (row_means.row_sums) {
+    constexpr int kWarps = kGradThreads / kWarpSize;
+    for (std::int64_t n = blockIdx.x * kWarps + t / kWarpSize; n < row_means.n_examples;
+         n += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+      finalize_row_means(row_means, n, lane);
+    }
   }
 
   // The smallest exponent of the block's rows (every warp finds the same).
@@ -3231,11 +3242,12 @@ bool front_fits(const CheriBlockParams& p, int device) {
          warpgroup_kernel_fits(p, device, front_smem_bytes<kC>(p.hidden));
 }
 
-/// The front kernel, then mean(dy) and mean(dy y) of every example into means [N, 2].
+/// The front kernel, its per-row sums of dy and dy y into row_sums [N L, 2] (their means come
+/// from the first weight-gradient kernel: RowMeans).
 template <int kC>
 void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
-                    const float* w2t, const FrontOut& out, float* row_sums, float* means,
-                    int device, cudaStream_t stream) {
+                    const float* w2t, const FrontOut& out, float* row_sums, int device,
+                    cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
   const auto kernel = cheri_backward_front_kernel<kC>;
   allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed, true, [&] {
@@ -3247,11 +3259,6 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, out,
                                                                        row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
-  constexpr int kFinalizeThreads = 128;  // 4 examples a block
-  launch_dependent(row_sums_finalize_kernel,
-                   dim3(static_cast<unsigned>(ceil_div(p.n * kWarpSize, kFinalizeThreads))),
-                   kFinalizeThreads, 0, device, stream, static_cast<const float*>(row_sums), p.n,
-                   p.l, static_cast<double>(p.l * p.c), means);
 }
 
 /// The backward's weights as dense float32, in the workspace pieces at the given offsets where
@@ -3281,7 +3288,7 @@ BackwardWeights backward_weights(const CheriBlockParams& p, const StreamWorkspac
 template <int MA, int NB, bool kDy, typename D = float>
 void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea, const int* eb,
                  std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
-                 int* dy_exps, int device, cudaStream_t stream) {
+                 int* dy_exps, const RowMeans& row_means, int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
   const auto kernel = weight_grad_kernel<MA, NB, kDy, D>;
   constexpr std::size_t kBytes = grad_smem_bytes<MA, NB, kDy>();
@@ -3289,7 +3296,7 @@ void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea,
     return concat(kOp, ": the weight-gradient kernel (", MA, " x ", NB, ")");
   });
   launch_dependent(kernel, dim3(grid), kGradThreads, kBytes, device, stream, a, b, ea, eb, rows,
-                   alpha, part, w1, dy, dy_exps);
+                   alpha, part, w1, dy, dy_exps, row_means);
 }
 
 /// The backward where the front kernel takes the call (front_fits): the front kernel's float16
@@ -3330,18 +3337,22 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   const bool scaled_dy =
       gx_stage_bytes<float, __half>(p, dy, plane_grid(p), gx_vector<float, __half>(p, dy, true),
                                     device, true) > 0;
-  backward_front<kC>(p, conv_w, w1, w2t, out, at<float>(ws, o_rows), means, device, stream);
-  // grad W1 = dg^T y and dy = dg W1; grad W2 = residual_scale grad_out^T g
+  float* row_sums = at<float>(ws, o_rows);
+  backward_front<kC>(p, conv_w, w1, w2t, out, row_sums, device, stream);
+  // grad W1 = dg^T y and dy = dg W1, and the norm's means; grad W2 = residual_scale grad_out^T g
+  const RowMeans row_means{row_sums, p.n, p.l, static_cast<double>(p.l * p.c), means};
   if (scaled_dy) {
     weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
-                              part1, w1, static_cast<__half*>(dy.data), dy_exps, device, stream);
+                              part1, w1, static_cast<__half*>(dy.data), dy_exps, row_means,
+                              device, stream);
   } else {
     weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
-                              part1, w1, static_cast<float*>(dy.data), nullptr, device, stream);
+                              part1, w1, static_cast<float*>(dy.data), nullptr, row_means,
+                              device, stream);
   }
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
-                             nullptr, device, stream);
+                             nullptr, RowMeans{}, device, stream);
   sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, device, stream, true);
   sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, device, stream, true);
   if (scaled_dy) {
