@@ -196,6 +196,7 @@ def _direct_torch_call(tensors):
             return False
     return True
 
+
 def _eager_autograd_call(tensors):
     """True when autograd records the call in plain eager mode (`tensors`, None entries skipped,
     are plain torch.Tensors or nn.Parameters; no compiler or torch dispatch mode is active; grad

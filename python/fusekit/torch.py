@@ -33,6 +33,9 @@ torch.compile and torch.export trace through them. The autograd formulas of mhc_
 dilated_conv_norm and cheri_block (the training forward) are their backward ops (mean and rstd
 are not differentiable); layernorm_linear_gelu, trimul, causal_attention and
 cheri_block_inference are forward only, and backpropagating through them raises fusekit.Error.
+In plain eager autograd fusekit.mhc_post, fusekit.dilated_conv_norm and fusekit.cheri_block
+record MhcPostFunction, DilatedConvNormFunction and CheriBlockFunction instead: the same
+forward and backward calls of the library, without the ops' Python autograd wrappers.
 """
 
 import math

@@ -2406,8 +2406,9 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     if (t0 + s < t1) load_tile(t0 + s, s);
     cp_async_commit();
   }
-  // The norm's means of the front kernel's row sums (read two kernels later), a warp an example,
-  // while the first tiles arrive: where a kernel of their own sat behind the front kernel's tail.
+  // The norm's means from the front kernel's row sums (for the norm's backward, four kernels
+  // later), a warp an example while the first tiles arrive: a kernel of their own sat behind
+  // the front kernel's tail.
   if (row_means.row_sums) {
     constexpr int kWarps = kGradThreads / kWarpSize;
     for (std::int64_t n = blockIdx.x * kWarps + t / kWarpSize; n < row_means.n_examples;
