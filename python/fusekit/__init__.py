@@ -167,11 +167,7 @@ def mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix):
     if kind is _Tensor:
         if _needs_torch_op(inputs):
             return tuple(_torch.ops.fusekit.mhc_post_backward(*inputs))
-        grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
-        _C.mhc_post_backward(_dl(grads[0]), _dl(grads[1]), _dl(grads[2]), _dl(grads[3]),
-                             _dl(grad_out), _dl(x), _dl(residual), _dl(post_layer_mix),
-                             _dl(comb_res_mix), _stream(x))
-        return grads
+        return _ops.run_mhc_post_backward(*inputs)
     grads = tuple(_np.empty(t.shape, dtype=t.dtype) for t in inputs[1:])
     _C.mhc_post_backward(*grads, *inputs, 0)
     return grads
@@ -526,10 +522,7 @@ def cheri_block_train(x, conv_weight, linear1_weight, linear2_weight, dilation,
     """
     inputs = (x, conv_weight, linear1_weight, linear2_weight)
     if _direct_torch_call(inputs):
-        out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-        _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), *(_dl(t) for t in inputs), dilation,
-                       residual_scale, eps, allow_tf32, _stream(x))
-        return out, mean, rstd
+        return _ops.run_cheri_block(*inputs, dilation, residual_scale, eps, allow_tf32)
     if _eager_autograd_call(inputs):
         return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps, allow_tf32)
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
@@ -551,10 +544,7 @@ def cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weigh
     """
     inputs = (grad_out, x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
     if _direct_torch_call(inputs):
-        grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
-        _C.cheri_block_backward(*(_dl(g) for g in grads), *(_dl(t) for t in inputs), dilation,
-                                residual_scale, eps, allow_tf32, _stream(x))
-        return grads
+        return _ops.run_cheri_block_backward(*inputs, dilation, residual_scale, eps, allow_tf32)
     kind = _framework("cheri_block_backward", _CHERI_BACKWARD_ARGS, inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.cheri_block_backward(*inputs, dilation, residual_scale,
@@ -572,10 +562,7 @@ def dilated_conv_norm(x, conv_weight, dilation, *, eps=1e-3):
     """
     inputs = (x, conv_weight)
     if _direct_torch_call(inputs):
-        y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-        _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation,
-                             eps, _stream(x))
-        return y, mean, rstd
+        return _ops.run_dilated_conv_norm(x, conv_weight, dilation, eps)
     if _eager_autograd_call(inputs):
         return _ops.DilatedConvNormFunction.apply(x, conv_weight, dilation, eps)
     kind = _framework("dilated_conv_norm", ("x", "conv_weight"), inputs)
@@ -593,10 +580,7 @@ def dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation, *, 
     """
     inputs = (grad_y, x, conv_weight, mean, rstd)
     if _direct_torch_call(inputs):
-        grads = (_empty(x), _empty(conv_weight))
-        _C.dilated_conv_norm_backward(_dl(grads[0]), _dl(grads[1]), *(_dl(t) for t in inputs),
-                                      dilation, eps, _stream(x))
-        return grads
+        return _ops.run_dilated_conv_norm_backward(*inputs, dilation, eps)
     kind = _framework("dilated_conv_norm_backward",
                       ("grad_y", "x", "conv_weight", "mean", "rstd"), inputs)
     if kind is _Tensor:
@@ -605,8 +589,3 @@ def dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation, *, 
                                                           dtype=conv_weight.dtype))
     _C.dilated_conv_norm_backward(*grads, *inputs, dilation, eps, 0)
     return grads
-
-
-def _stats_empty(x):
-    """The float32 per-example statistics [N] of x [N, L, C]."""
-    return x.new_empty(x.shape[:1], dtype=_torch.float32)

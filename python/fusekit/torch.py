@@ -127,13 +127,27 @@ def _empty(t):
 # ------------------------------------------------------------------------------ mhc_post
 
 
-@torch.library.custom_op("fusekit::mhc_post", mutates_args=())
-def mhc_post(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor) -> Tensor:
-    """out[n, i, h] = post_layer_mix[n, i] * x[n, h] + sum_j comb_res_mix[n, j, i] * residual[n, j, h]"""
+def run_mhc_post(x, residual, post_layer_mix, comb_res_mix):
+    """The library's mhc_post on torch tensors, out allocated here (the op's body, and the eager
+    Function's)."""
     out = _empty(residual)
     _C.mhc_post(_dl(out), _dl(x), _dl(residual), _dl(post_layer_mix), _dl(comb_res_mix),
                 _stream(x))
     return out
+
+
+def run_mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix):
+    """The library's mhc_post_backward on torch tensors, the gradients allocated here."""
+    grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
+    _C.mhc_post_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(residual),
+                         _dl(post_layer_mix), _dl(comb_res_mix), _stream(x))
+    return grads
+
+
+@torch.library.custom_op("fusekit::mhc_post", mutates_args=())
+def mhc_post(x: Tensor, residual: Tensor, post_layer_mix: Tensor, comb_res_mix: Tensor) -> Tensor:
+    """out[n, i, h] = post_layer_mix[n, i] * x[n, h] + sum_j comb_res_mix[n, j, i] * residual[n, j, h]"""
+    return run_mhc_post(x, residual, post_layer_mix, comb_res_mix)
 
 
 @mhc_post.register_fake
@@ -146,10 +160,7 @@ def mhc_post_backward(grad_out: Tensor, x: Tensor, residual: Tensor, post_layer_
                       comb_res_mix: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_residual, grad_post_layer_mix, grad_comb_res_mix) of mhc_post, each shaped
     and typed like its input."""
-    grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
-    _C.mhc_post_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(residual),
-                         _dl(post_layer_mix), _dl(comb_res_mix), _stream(x))
-    return grads
+    return run_mhc_post_backward(grad_out, x, residual, post_layer_mix, comb_res_mix)
 
 
 @mhc_post_backward.register_fake
@@ -170,26 +181,17 @@ mhc_post.register_autograd(_mhc_post_autograd, setup_context=_mhc_post_setup_con
 
 
 class MhcPostFunction(torch.autograd.Function):
-    """mhc_post under eager autograd: what the op and its autograd formula compute, through the
-    library directly (the op's Python autograd wrapper costs far more host time than the call:
-    see _eager_autograd_call in fusekit/__init__.py)."""
+    """mhc_post under eager autograd: the op's body, context and formula, with the backward
+    called directly rather than through its op (the ops' Python autograd wrappers cost far more
+    host time than the calls: see _eager_autograd_call in fusekit/__init__.py)."""
 
-    @staticmethod
-    def forward(ctx, x, residual, post_layer_mix, comb_res_mix):
-        out = _empty(residual)
-        _C.mhc_post(_dl(out), _dl(x), _dl(residual), _dl(post_layer_mix), _dl(comb_res_mix),
-                    _stream(x))
-        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
-        return out
+    forward = staticmethod(run_mhc_post)
+    setup_context = staticmethod(_mhc_post_setup_context)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, residual, post_layer_mix, comb_res_mix = ctx.saved_tensors
-        grads = (_empty(x), _empty(residual), _empty(post_layer_mix), _empty(comb_res_mix))
-        _C.mhc_post_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(residual),
-                             _dl(post_layer_mix), _dl(comb_res_mix), _stream(x))
-        return grads
+        return run_mhc_post_backward(grad_out, *ctx.saved_tensors)
 
 
 def call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
@@ -481,15 +483,29 @@ def _contiguous_last(t):
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def run_dilated_conv_norm(x, conv_weight, dilation, eps):
+    """The library's dilated_conv_norm on torch tensors: (y, mean, rstd), allocated here."""
+    y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+    _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation, eps,
+                         _stream(x))
+    return y, mean, rstd
+
+
+def run_dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation, eps):
+    """The library's dilated_conv_norm_backward on torch tensors: (grad_x, grad_conv_weight)."""
+    grad_x, grad_conv = _empty(x), _empty(conv_weight)
+    _C.dilated_conv_norm_backward(_dl(grad_x), _dl(grad_conv), _dl(grad_y), _dl(x),
+                                  _dl(conv_weight), _dl(mean), _dl(rstd), dilation, eps,
+                                  _stream(x))
+    return grad_x, grad_conv
+
+
 @torch.library.custom_op("fusekit::dilated_conv_norm", mutates_args=())
 def dilated_conv_norm(x: Tensor, conv_weight: Tensor, dilation: int,
                       eps: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd): the dilated 3-tap depthwise convolution of x [N, L, C] normalised over
     each example's (L, C) plane; mean and rstd float32 [N]."""
-    y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-    _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation, eps,
-                         _stream(x))
-    return y, mean, rstd
+    return run_dilated_conv_norm(x, conv_weight, dilation, eps)
 
 
 @dilated_conv_norm.register_fake
@@ -503,11 +519,7 @@ def dilated_conv_norm_backward(grad_y: Tensor, x: Tensor, conv_weight: Tensor, m
                                eps: float = 1e-3) -> tuple[Tensor, Tensor]:
     """(grad_x, grad_conv_weight) of dilated_conv_norm given grad_y and the forward's mean and
     rstd."""
-    grad_x, grad_conv = _empty(x), _empty(conv_weight)
-    _C.dilated_conv_norm_backward(_dl(grad_x), _dl(grad_conv), _dl(grad_y), _dl(x),
-                                  _dl(conv_weight), _dl(mean), _dl(rstd), dilation, eps,
-                                  _stream(x))
-    return grad_x, grad_conv
+    return run_dilated_conv_norm_backward(grad_y, x, conv_weight, mean, rstd, dilation, eps)
 
 
 @dilated_conv_norm_backward.register_fake
@@ -537,30 +549,42 @@ dilated_conv_norm.register_autograd(_dilated_conv_norm_autograd,
 
 class DilatedConvNormFunction(torch.autograd.Function):
     """dilated_conv_norm under eager autograd (as MhcPostFunction): (y, mean, rstd), mean and
-    rstd not differentiable."""
+    rstd not differentiable, and no zero gradients made for them."""
+
+    forward = staticmethod(run_dilated_conv_norm)
 
     @staticmethod
-    def forward(ctx, x, conv_weight, dilation, eps):
-        y, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-        _C.dilated_conv_norm(_dl(y), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), dilation,
-                             eps, _stream(x))
-        ctx.mark_non_differentiable(mean, rstd)
-        ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
-        ctx.save_for_backward(x, conv_weight, mean, rstd)
-        ctx.dilation, ctx.eps = dilation, eps
-        return y, mean, rstd
+    def setup_context(ctx, inputs, output):
+        _dilated_conv_norm_setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y, grad_mean, grad_rstd):
         if grad_y is None:
             return None, None, None, None
-        x, conv_weight, mean, rstd = ctx.saved_tensors
-        grad_x, grad_conv = _empty(x), _empty(conv_weight)
-        _C.dilated_conv_norm_backward(_dl(grad_x), _dl(grad_conv), _dl(_contiguous_last(grad_y)),
-                                      _dl(x), _dl(conv_weight), _dl(mean), _dl(rstd),
-                                      ctx.dilation, ctx.eps, _stream(x))
-        return grad_x, grad_conv, None, None
+        grads = run_dilated_conv_norm_backward(_contiguous_last(grad_y), *ctx.saved_tensors,
+                                               ctx.dilation, ctx.eps)
+        return (*grads, None, None)
+
+
+def run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                    eps, allow_tf32):
+    """The library's training forward on torch tensors: (out, mean, rstd), allocated here."""
+    out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
+    _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), _dl(linear1_weight),
+                   _dl(linear2_weight), dilation, residual_scale, eps, allow_tf32, _stream(x))
+    return out, mean, rstd
+
+
+def run_cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight, mean,
+                             rstd, dilation, residual_scale, eps, allow_tf32):
+    """The library's cheri_block_backward on torch tensors, the four gradients allocated here."""
+    grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
+    _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(conv_weight),
+                            _dl(linear1_weight), _dl(linear2_weight), _dl(mean), _dl(rstd),
+                            dilation, residual_scale, eps, allow_tf32, _stream(x))
+    return grads
 
 
 @torch.library.custom_op("fusekit::cheri_block", mutates_args=())
@@ -569,10 +593,8 @@ def cheri_block(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor, linear2_
                 allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """The Cheri block's training forward: (out, mean, rstd), out [N, L, C] in x's dtype, mean
     and rstd float32 [N] (what the backward needs)."""
-    out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-    _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), _dl(linear1_weight),
-                   _dl(linear2_weight), dilation, residual_scale, eps, allow_tf32, _stream(x))
-    return out, mean, rstd
+    return run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                           residual_scale, eps, allow_tf32)
 
 
 @cheri_block.register_fake
@@ -588,11 +610,8 @@ def cheri_block_backward(grad_out: Tensor, x: Tensor, conv_weight: Tensor, linea
                          allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight) of the training
     forward, each shaped and typed like its input."""
-    grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
-    _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(conv_weight),
-                            _dl(linear1_weight), _dl(linear2_weight), _dl(mean), _dl(rstd),
-                            dilation, residual_scale, eps, allow_tf32, _stream(x))
-    return grads
+    return run_cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight,
+                                    mean, rstd, dilation, residual_scale, eps, allow_tf32)
 
 
 @cheri_block_backward.register_fake
@@ -645,32 +664,23 @@ _refuse_backward(cheri_block_inference, "cheri_block_inference",
 
 class CheriBlockFunction(torch.autograd.Function):
     """The Cheri block's training forward under eager autograd (as MhcPostFunction): (out, mean,
-    rstd), mean and rstd not differentiable; the backward recomputes everything else."""
+    rstd), mean and rstd not differentiable, and no zero gradients made for them; the backward
+    recomputes everything else."""
+
+    forward = staticmethod(run_cheri_block)
 
     @staticmethod
-    def forward(ctx, x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
-                eps, allow_tf32):
-        out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-        _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight),
-                       _dl(linear1_weight), _dl(linear2_weight), dilation, residual_scale, eps,
-                       allow_tf32, _stream(x))
-        ctx.mark_non_differentiable(mean, rstd)
-        ctx.set_materialize_grads(False)  # no zero gradients made for mean and rstd
-        ctx.save_for_backward(x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
-        ctx.options = (dilation, residual_scale, eps, allow_tf32)
-        return out, mean, rstd
+    def setup_context(ctx, inputs, output):
+        _cheri_block_setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_mean, grad_rstd):
         if grad_out is None:
             return (None,) * 8
-        x, conv_weight, linear1_weight, linear2_weight, mean, rstd = ctx.saved_tensors
-        grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
-        _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(_contiguous_last(grad_out)),
-                                _dl(x), _dl(conv_weight), _dl(linear1_weight),
-                                _dl(linear2_weight), _dl(mean), _dl(rstd), *ctx.options,
-                                _stream(x))
+        grads = run_cheri_block_backward(_contiguous_last(grad_out), *ctx.saved_tensors,
+                                         *ctx.options)
         return (*grads, None, None, None, None)
 
 
