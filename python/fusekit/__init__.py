@@ -522,16 +522,17 @@ def cheri_block_train(x, conv_weight, linear1_weight, linear2_weight, dilation,
     """
     inputs = (x, conv_weight, linear1_weight, linear2_weight)
     if _direct_torch_call(inputs):
-        return _ops.run_cheri_block(*inputs, dilation, residual_scale, eps, allow_tf32)
+        return _ops.run_cheri_block_unsaved(*inputs, dilation, residual_scale, eps, allow_tf32)
     if _eager_autograd_call(inputs):
-        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps, allow_tf32)
+        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps,
+                                             allow_tf32)[:3]
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.cheri_block(*inputs, dilation, residual_scale, eps,
-                                                    allow_tf32))
+                                                    allow_tf32))[:3]
     out = _np.empty(x.shape, dtype=x.dtype)
     mean, rstd = (_np.empty(x.shape[:1], dtype=_np.float32) for _ in range(2))
-    _C.cheri_block(out, mean, rstd, *inputs, dilation, residual_scale, eps, allow_tf32, 0)
+    _C.cheri_block(out, mean, rstd, None, *inputs, dilation, residual_scale, eps, allow_tf32, 0)
     return out, mean, rstd
 
 
@@ -550,7 +551,7 @@ def cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weigh
         return tuple(_torch.ops.fusekit.cheri_block_backward(*inputs, dilation, residual_scale,
                                                              eps, allow_tf32))
     grads = tuple(_np.empty(t.shape, dtype=t.dtype) for t in inputs[1:5])
-    _C.cheri_block_backward(*grads, *inputs, dilation, residual_scale, eps, allow_tf32, 0)
+    _C.cheri_block_backward(*grads, *inputs, None, dilation, residual_scale, eps, allow_tf32, 0)
     return grads
 
 

@@ -15,10 +15,11 @@
                                                  eps=1e-3) -> (grad_x, grad_conv_weight)
     torch.ops.fusekit.cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
                                   residual_scale=0.15, eps=1e-3, allow_tf32=True)
-        -> (out, mean, rstd)
+        -> (out, mean, rstd, saved)
     torch.ops.fusekit.cheri_block_backward(grad_out, x, conv_weight, linear1_weight,
                                            linear2_weight, mean, rstd, dilation,
-                                           residual_scale=0.15, eps=1e-3, allow_tf32=True)
+                                           residual_scale=0.15, eps=1e-3, allow_tf32=True,
+                                           saved=None)
         -> (grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight)
     torch.ops.fusekit.cheri_block_inference(x, conv_weight, linear1_weight, linear2_weight,
                                             dilation, residual_scale=0.15, eps=1e-3) -> out
@@ -30,8 +31,9 @@ fusekit.layernorm_linear_gelu, fusekit.trimul and fusekit.cheri_block.
 (contiguous) on the inputs' device and runs the C++ library on the current stream of that device.
 The fake implementations give the same shapes, dtypes and strides without running anything, so
 torch.compile and torch.export trace through them. The autograd formulas of mhc_post,
-dilated_conv_norm and cheri_block (the training forward) are their backward ops (mean and rstd
-are not differentiable); layernorm_linear_gelu, trimul, causal_attention and
+dilated_conv_norm and cheri_block (the training forward) are their backward ops (mean, rstd
+and cheri_block's saved, the rows its backward reads where the library keeps them, are not
+differentiable); layernorm_linear_gelu, trimul, causal_attention and
 cheri_block_inference are forward only, and backpropagating through them raises fusekit.Error.
 In plain eager autograd fusekit.mhc_post, fusekit.dilated_conv_norm and fusekit.cheri_block
 record MhcPostFunction, DilatedConvNormFunction and CheriBlockFunction instead: the same
@@ -568,31 +570,67 @@ class DilatedConvNormFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
-                    eps, allow_tf32):
-    """The library's training forward on torch tensors: (out, mean, rstd), allocated here."""
+def _cheri_saved_empty(x, linear1_weight, allow_tf32):
+    """The buffer the training forward fills for the backward to read (uint8, as many bytes as
+    the library asks for these shapes, dtype, device and options; often none)."""
+    size = 0
+    if x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.dim() == 3:
+        n, length, c = x.shape
+        device = x.device.index if x.device.type == "cuda" else -1
+        size = _C.cheri_block_saved_bytes(n, length, c, linear1_weight.shape[0],
+                                          str(x.dtype).removeprefix("torch."),
+                                          -1 if device is None else device, allow_tf32)
+    return torch.empty(size, dtype=torch.uint8, device=x.device)
+
+
+def _dl_saved(saved):
+    """`saved` for _C: None where nothing is kept."""
+    return _dl(saved) if saved is not None and saved.numel() > 0 else None
+
+
+def _run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                     eps, allow_tf32, saved):
     out, mean, rstd = _empty(x), _stats_empty(x), _stats_empty(x)
-    _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl(x), _dl(conv_weight), _dl(linear1_weight),
-                   _dl(linear2_weight), dilation, residual_scale, eps, allow_tf32, _stream(x))
+    _C.cheri_block(_dl(out), _dl(mean), _dl(rstd), _dl_saved(saved), _dl(x), _dl(conv_weight),
+                   _dl(linear1_weight), _dl(linear2_weight), dilation, residual_scale, eps,
+                   allow_tf32, _stream(x))
     return out, mean, rstd
 
 
+def run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,
+                    eps, allow_tf32):
+    """The library's training forward on torch tensors: (out, mean, rstd, saved), allocated here;
+    saved is what the backward reads besides mean and rstd (uint8, often empty)."""
+    saved = _cheri_saved_empty(x, linear1_weight, allow_tf32)
+    return (*_run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                              residual_scale, eps, allow_tf32, saved), saved)
+
+
+def run_cheri_block_unsaved(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                            residual_scale, eps, allow_tf32):
+    """The library's training forward on torch tensors, keeping nothing beyond what it returns:
+    (out, mean, rstd) for cheri_block_backward (which recomputes the rest)."""
+    return _run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
+                            residual_scale, eps, allow_tf32, None)
+
+
 def run_cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight, mean,
-                             rstd, dilation, residual_scale, eps, allow_tf32):
+                             rstd, dilation, residual_scale, eps, allow_tf32, saved=None):
     """The library's cheri_block_backward on torch tensors, the four gradients allocated here."""
     grads = (_empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight))
     _C.cheri_block_backward(*(_dl(g) for g in grads), _dl(grad_out), _dl(x), _dl(conv_weight),
                             _dl(linear1_weight), _dl(linear2_weight), _dl(mean), _dl(rstd),
-                            dilation, residual_scale, eps, allow_tf32, _stream(x))
+                            _dl_saved(saved), dilation, residual_scale, eps, allow_tf32,
+                            _stream(x))
     return grads
 
 
 @torch.library.custom_op("fusekit::cheri_block", mutates_args=())
 def cheri_block(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor, linear2_weight: Tensor,
                 dilation: int, residual_scale: float = 0.15, eps: float = 1e-3,
-                allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """The Cheri block's training forward: (out, mean, rstd), out [N, L, C] in x's dtype, mean
-    and rstd float32 [N] (what the backward needs)."""
+                allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The Cheri block's training forward: (out, mean, rstd, saved), out [N, L, C] in x's dtype,
+    mean and rstd float32 [N] and saved uint8 (often empty): what the backward reads."""
     return run_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation,
                            residual_scale, eps, allow_tf32)
 
@@ -600,38 +638,42 @@ def cheri_block(x: Tensor, conv_weight: Tensor, linear1_weight: Tensor, linear2_
 @cheri_block.register_fake
 def _cheri_block_fake(x, conv_weight, linear1_weight, linear2_weight, dilation,
                       residual_scale=0.15, eps=1e-3, allow_tf32=True):
-    return _empty(x), _stats_empty(x), _stats_empty(x)
+    return (_empty(x), _stats_empty(x), _stats_empty(x),
+            _cheri_saved_empty(x, linear1_weight, allow_tf32))
 
 
 @torch.library.custom_op("fusekit::cheri_block_backward", mutates_args=())
 def cheri_block_backward(grad_out: Tensor, x: Tensor, conv_weight: Tensor, linear1_weight: Tensor,
                          linear2_weight: Tensor, mean: Tensor, rstd: Tensor, dilation: int,
                          residual_scale: float = 0.15, eps: float = 1e-3,
-                         allow_tf32: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         allow_tf32: bool = True, saved: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_x, grad_conv_weight, grad_linear1_weight, grad_linear2_weight) of the training
-    forward, each shaped and typed like its input."""
+    forward, each shaped and typed like its input; `saved` is the forward's, or None."""
     return run_cheri_block_backward(grad_out, x, conv_weight, linear1_weight, linear2_weight,
-                                    mean, rstd, dilation, residual_scale, eps, allow_tf32)
+                                    mean, rstd, dilation, residual_scale, eps, allow_tf32, saved)
 
 
 @cheri_block_backward.register_fake
 def _cheri_block_backward_fake(grad_out, x, conv_weight, linear1_weight, linear2_weight, mean,
-                               rstd, dilation, residual_scale=0.15, eps=1e-3, allow_tf32=True):
+                               rstd, dilation, residual_scale=0.15, eps=1e-3, allow_tf32=True,
+                               saved=None):
     return _empty(x), _empty(conv_weight), _empty(linear1_weight), _empty(linear2_weight)
 
 
 def _cheri_block_setup_context(ctx, inputs, output):
     x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale, eps, allow_tf32 = (
         inputs)
-    _, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(x, conv_weight, linear1_weight, linear2_weight, mean, rstd)
+    _, mean, rstd, saved = output
+    ctx.mark_non_differentiable(mean, rstd, saved)
+    ctx.save_for_backward(x, conv_weight, linear1_weight, linear2_weight, mean, rstd, saved)
     ctx.options = (dilation, residual_scale, eps, allow_tf32)
 
 
-def _cheri_block_autograd(ctx, grad_out, grad_mean, grad_rstd):
-    # Everything but x, the weights and the statistics is recomputed by the backward.
-    grads = cheri_block_backward(_contiguous_last(grad_out), *ctx.saved_tensors, *ctx.options)
+def _cheri_block_autograd(ctx, grad_out, grad_mean, grad_rstd, grad_saved):
+    # What the backward needs besides x, the weights, the statistics and `saved` is recomputed.
+    *tensors, saved = ctx.saved_tensors
+    grads = cheri_block_backward(_contiguous_last(grad_out), *tensors, *ctx.options, saved=saved)
     return (*grads, None, None, None, None)
 
 
@@ -664,8 +706,8 @@ _refuse_backward(cheri_block_inference, "cheri_block_inference",
 
 class CheriBlockFunction(torch.autograd.Function):
     """The Cheri block's training forward under eager autograd (as MhcPostFunction): (out, mean,
-    rstd), mean and rstd not differentiable, and no zero gradients made for them; the backward
-    recomputes everything else."""
+    rstd, saved), the last three not differentiable, and no zero gradients made for them; the
+    backward reads them and recomputes everything else."""
 
     forward = staticmethod(run_cheri_block)
 
@@ -676,11 +718,12 @@ class CheriBlockFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_mean, grad_rstd):
+    def backward(ctx, grad_out, grad_mean, grad_rstd, grad_saved):
         if grad_out is None:
             return (None,) * 8
-        grads = run_cheri_block_backward(_contiguous_last(grad_out), *ctx.saved_tensors,
-                                         *ctx.options)
+        *tensors, saved = ctx.saved_tensors
+        grads = run_cheri_block_backward(_contiguous_last(grad_out), *tensors, *ctx.options,
+                                         saved)
         return (*grads, None, None, None, None)
 
 

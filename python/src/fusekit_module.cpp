@@ -304,21 +304,48 @@ void dilated_conv_norm_backward(const OutArray& grad_x, const OutArray& grad_con
                                       v_rstd, options, to_stream(stream));
 }
 
+std::int64_t cheri_block_saved_bytes(std::int64_t n, std::int64_t l, std::int64_t c,
+                                     std::int64_t hidden, const std::string& dtype,
+                                     int cuda_device, bool allow_tf32) {
+  constexpr const char* op = "cheri_block_saved_bytes";
+  fusekit::DType dt = fusekit::DType::Float32;
+  if (dtype == "float16") {
+    dt = fusekit::DType::Float16;
+  } else if (dtype == "bfloat16") {
+    dt = fusekit::DType::BFloat16;
+  } else if (dtype != "float32") {
+    throw fusekit::Error(concat(op, ": dtype is '", dtype,
+                                "', expected 'float32', 'float16' or 'bfloat16'"));
+  }
+  const fusekit::Device device =
+      cuda_device < 0 ? fusekit::Device::cpu() : fusekit::Device::cuda(cuda_device);
+  // Only the shapes, dtype, device and options are read: views without data.
+  fusekit::CheriBlockWeights weights;
+  weights.linear1_weight = fusekit::TensorView(nullptr, dt, {hidden, c}, device);
+  weights.linear2_weight = fusekit::TensorView(nullptr, dt, {c, hidden}, device);
+  fusekit::CheriBlockOptions options;
+  options.allow_tf32 = allow_tf32;
+  return fusekit::cheri_block_saved_bytes(fusekit::TensorView(nullptr, dt, {n, l, c}, device),
+                                          weights, options);
+}
+
 void cheri_block(const OutArray& out, const OutArray& mean, const OutArray& rstd,
-                 const InArray& x, const InArray& conv_weight, const InArray& linear1_weight,
+                 const OutArray& saved, const InArray& x,
+                 const InArray& conv_weight, const InArray& linear1_weight,
                  const InArray& linear2_weight, std::int64_t dilation, double residual_scale,
                  double eps, bool allow_tf32, std::uintptr_t stream) {
   constexpr const char* op = "cheri_block";
   const fusekit::TensorView v_out = to_view(out, op, "out");
   const fusekit::TensorView v_mean = to_view(mean, op, "mean");
   const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
+  const fusekit::TensorView v_saved = to_optional_view(saved, op, "saved");
   const fusekit::TensorView v_x = to_view(x, op, "x");
   const fusekit::CheriBlockWeights weights =
       cheri_weights(conv_weight, linear1_weight, linear2_weight, op);
   const fusekit::CheriBlockOptions options =
       cheri_options(dilation, residual_scale, eps, allow_tf32);
   nb::gil_scoped_release release;
-  fusekit::cheri_block(v_out, v_mean, v_rstd, v_x, weights, options, to_stream(stream));
+  fusekit::cheri_block(v_out, v_mean, v_rstd, v_saved, v_x, weights, options, to_stream(stream));
 }
 
 void cheri_block_backward(const OutArray& grad_x, const OutArray& grad_conv_weight,
@@ -326,7 +353,8 @@ void cheri_block_backward(const OutArray& grad_x, const OutArray& grad_conv_weig
                           const OutArray& grad_linear2_weight, const InArray& grad_out,
                           const InArray& x, const InArray& conv_weight,
                           const InArray& linear1_weight, const InArray& linear2_weight,
-                          const InArray& mean, const InArray& rstd, std::int64_t dilation,
+                          const InArray& mean, const InArray& rstd,
+                          const InArray& saved, std::int64_t dilation,
                           double residual_scale, double eps, bool allow_tf32,
                           std::uintptr_t stream) {
   constexpr const char* op = "cheri_block_backward";
@@ -341,11 +369,12 @@ void cheri_block_backward(const OutArray& grad_x, const OutArray& grad_conv_weig
       cheri_weights(conv_weight, linear1_weight, linear2_weight, op);
   const fusekit::TensorView v_mean = to_view(mean, op, "mean");
   const fusekit::TensorView v_rstd = to_view(rstd, op, "rstd");
+  const fusekit::TensorView v_saved = to_optional_view(saved, op, "saved");
   const fusekit::CheriBlockOptions options =
       cheri_options(dilation, residual_scale, eps, allow_tf32);
   nb::gil_scoped_release release;
   fusekit::cheri_block_backward(v_grad_x, grads, v_grad_out, v_x, weights, v_mean, v_rstd,
-                                options, to_stream(stream));
+                                v_saved, options, to_stream(stream));
 }
 
 void cheri_block_inference(const OutArray& out, const InArray& x, const InArray& conv_weight,
@@ -451,23 +480,33 @@ NB_MODULE(_C, m) {
         "eps"_a, "stream"_a,
         "The gradients of dilated_conv_norm given grad_y and the forward's mean and rstd, "
         "written into grad_x and grad_conv_weight (see include/fusekit/ops/cheri_block.h).");
+  m.def("cheri_block_saved_bytes", &cheri_block_saved_bytes, "n"_a, "l"_a, "c"_a, "hidden"_a,
+        "dtype"_a, "cuda_device"_a, "allow_tf32"_a,
+        "The size in bytes of what the Cheri block's training forward can keep for its backward "
+        "(`saved`) for x [n, l, c] of `dtype` ('float32', 'float16' or 'bfloat16') on CUDA "
+        "device `cuda_device` (-1: the CPU) and E C = hidden, or 0 where the backward would not "
+        "read it (see include/fusekit/ops/cheri_block.h).");
   m.def("cheri_block", &cheri_block, "out"_a.noconvert(), "mean"_a.noconvert(),
-        "rstd"_a.noconvert(), "x"_a.noconvert(), "conv_weight"_a.noconvert(),
+        "rstd"_a.noconvert(), "saved"_a.noconvert().none(), "x"_a.noconvert(),
+        "conv_weight"_a.noconvert(),
         "linear1_weight"_a.noconvert(), "linear2_weight"_a.noconvert(), "dilation"_a,
         "residual_scale"_a, "eps"_a, "allow_tf32"_a, "stream"_a,
         "The Cheri block's training forward: out = x + residual_scale * GELU_tanh(y @ "
         "linear1_weight^T) @ linear2_weight^T with y = dilated_conv_norm(x), written into `out` "
-        "[N, L, C], and the float32 mean and rstd [N] the backward needs (see "
+        "[N, L, C], the float32 mean and rstd [N] the backward needs and, unless it is None, "
+        "`saved` (uint8 [cheri_block_saved_bytes]) for the backward to read (see "
         "include/fusekit/ops/cheri_block.h). allow_tf32 lets float32 products use TF32. `stream` "
         "is a cudaStream_t as an int (0: the legacy default stream; ignored on the CPU).");
   m.def("cheri_block_backward", &cheri_block_backward, "grad_x"_a.noconvert(),
         "grad_conv_weight"_a.noconvert(), "grad_linear1_weight"_a.noconvert(),
         "grad_linear2_weight"_a.noconvert(), "grad_out"_a.noconvert(), "x"_a.noconvert(),
         "conv_weight"_a.noconvert(), "linear1_weight"_a.noconvert(),
-        "linear2_weight"_a.noconvert(), "mean"_a.noconvert(), "rstd"_a.noconvert(), "dilation"_a,
-        "residual_scale"_a, "eps"_a, "allow_tf32"_a, "stream"_a,
+        "linear2_weight"_a.noconvert(), "mean"_a.noconvert(), "rstd"_a.noconvert(),
+        "saved"_a.noconvert().none(), "dilation"_a, "residual_scale"_a, "eps"_a, "allow_tf32"_a,
+        "stream"_a,
         "The gradients of the Cheri block's training forward given grad_out and the forward's "
-        "mean and rstd, written into the four outputs (see include/fusekit/ops/cheri_block.h).");
+        "mean, rstd and (unless it is None) saved, written into the four outputs (see "
+        "include/fusekit/ops/cheri_block.h).");
   m.def("cheri_block_inference", &cheri_block_inference, "out"_a.noconvert(), "x"_a.noconvert(),
         "conv_weight"_a.noconvert(), "linear1_weight"_a.noconvert(),
         "linear2_weight"_a.noconvert(), "dilation"_a, "residual_scale"_a, "eps"_a, "stream"_a,

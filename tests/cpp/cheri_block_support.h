@@ -222,6 +222,23 @@ inline void run_block_backward(const CheriTensors& t, const CheriCase& c) {
   fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view, t.weights(),
                                 t.mean_in.view, t.rstd_in.view, c.block_options());
 }
+/// What the training forward keeps for the backward (cheri_block_saved_bytes), poisoned; an
+/// empty tensor (an empty view) where the call keeps nothing.
+inline DeviceTensor saved_rows(const CheriTensors& t, const CheriCase& c) {
+  const std::int64_t bytes =
+      fusekit::cheri_block_saved_bytes(t.x.view, t.weights(), c.block_options());
+  if (bytes == 0) return {};
+  return fusekit::testing::empty_poisoned({bytes}, DType::UInt8, t.x.view.device);
+}
+/// The training forward keeping `saved`, then the backward reading it with the forward's mean
+/// and rstd.
+inline void run_block_through_saved(const CheriTensors& t, const CheriCase& c,
+                                    const DeviceTensor& saved) {
+  fusekit::cheri_block(t.out.view, t.mean.view, t.rstd.view, saved.view, t.x.view, t.weights(),
+                       c.block_options());
+  fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view, t.weights(),
+                                t.mean.view, t.rstd.view, saved.view, c.block_options());
+}
 inline void run_block_inference(const CheriTensors& t, const CheriCase& c) {
   fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options());
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cheri_block_support.h"
+#include "common/cuda_check.h"
 #include "cuda_test_support.h"
 
 namespace {
@@ -73,6 +74,30 @@ void check_conv_norm(const CheriInputs& in, const CheriCase& c, const CheriLayou
   }
 }
 
+/// The backward's four gradients in `t` against the float64 reference.
+void expect_block_gradients(const CheriTensors& t, const CheriInputs& in, const CheriCase& c) {
+  const bool tf32 = uses_tf32(c);
+  const CheriBlockGradients ref = fusekit::testing::cheri_block_backward_reference(
+      in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
+  expect_only_view_written(t.grad_x, "grad_x");
+  expect_only_view_written(t.grad_conv_weight, "grads.conv_weight");
+  expect_only_view_written(t.grad_linear1, "grads.linear1_weight");
+  expect_only_view_written(t.grad_linear2, "grads.linear2_weight");
+  const auto tol = [&](const HostTensor& expected, const Tolerance& exact, double bound = 1e-3) {
+    return tf32 ? cheri_relative_to_max(expected, bound) : exact;
+  };
+  const Tolerance weights = cheri_weight_grad_tolerance(c);
+  const double tf32_weights = cheri_tf32_weight_grad_bound(c.n * c.l);
+  expect_close(download(t.grad_x.view), ref.grad_x,
+               tol(ref.grad_x, cheri_elementwise_tolerance(c.dtype)), "grad_x");
+  expect_close(download(t.grad_conv_weight.view), ref.grads.conv_weight,
+               tol(ref.grads.conv_weight, weights, tf32_weights), "grads.conv_weight");
+  expect_close(download(t.grad_linear1.view), ref.grads.linear1,
+               tol(ref.grads.linear1, weights, tf32_weights), "grads.linear1_weight");
+  expect_close(download(t.grad_linear2.view), ref.grads.linear2,
+               tol(ref.grads.linear2, weights, tf32_weights), "grads.linear2_weight");
+}
+
 void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
   const bool tf32 = uses_tf32(c);
   {
@@ -97,25 +122,21 @@ void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& 
     const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
     run_block_backward(t, c);
     expect_device_ok();
-    const CheriBlockGradients ref = fusekit::testing::cheri_block_backward_reference(
-        in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
-    expect_only_view_written(t.grad_x, "grad_x");
-    expect_only_view_written(t.grad_conv_weight, "grads.conv_weight");
-    expect_only_view_written(t.grad_linear1, "grads.linear1_weight");
-    expect_only_view_written(t.grad_linear2, "grads.linear2_weight");
-    const auto tol = [&](const HostTensor& expected, const Tolerance& exact, double bound = 1e-3) {
-      return tf32 ? cheri_relative_to_max(expected, bound) : exact;
-    };
-    const Tolerance weights = cheri_weight_grad_tolerance(c);
-    const double tf32_weights = cheri_tf32_weight_grad_bound(c.n * c.l);
-    expect_close(download(t.grad_x.view), ref.grad_x,
-                 tol(ref.grad_x, cheri_elementwise_tolerance(c.dtype)), "grad_x");
-    expect_close(download(t.grad_conv_weight.view), ref.grads.conv_weight,
-                 tol(ref.grads.conv_weight, weights, tf32_weights), "grads.conv_weight");
-    expect_close(download(t.grad_linear1.view), ref.grads.linear1,
-                 tol(ref.grads.linear1, weights, tf32_weights), "grads.linear1_weight");
-    expect_close(download(t.grad_linear2.view), ref.grads.linear2,
-                 tol(ref.grads.linear2, weights, tf32_weights), "grads.linear2_weight");
+    expect_block_gradients(t, in, c);
+  }
+  // The same through the rows the forward keeps, where it keeps any (the TF32 path on sm_90a at
+  // C of 64 and 128; written by the fused forward's producer, or by a pass of their own where
+  // that kernel does not take the call), with the forward's own mean and rstd.
+  const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
+  const DeviceTensor saved = saved_rows(t, c);
+  if (saved.view.ndim != 0) {
+    SCOPED_TRACE("cheri_block and cheri_block_backward through the saved rows (TF32)");
+    run_block_through_saved(t, c, saved);
+    expect_device_ok();
+    const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
+        in.x, in.w, c.dilation, c.residual_scale, c.eps);
+    expect_close(download(t.out.view), ref.out, cheri_relative_to_max(ref.out, 1e-3), "out");
+    expect_block_gradients(t, in, c);
   }
 }
 
@@ -327,12 +348,55 @@ TEST_F(CheriCudaMisc, BitwiseDeterministic) {
       run_block_backward(b, c);
       run_block_backward(b, c);
       same("cheri_block_backward");
+      const DeviceTensor saved_a = saved_rows(a, c), saved_b = saved_rows(b, c);
+      if (saved_a.view.ndim != 0) {
+        run_block_through_saved(a, c, saved_a);
+        run_block_through_saved(b, c, saved_b);
+        run_block_through_saved(b, c, saved_b);
+        same("through the saved rows");
+        expect_same_bytes(saved_b, saved_a, "saved");
+      }
       // runs that wrote nothing would agree too
       const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
           in.x, in.w, c.dilation, c.residual_scale, c.eps);
       expect_close(download(a.out.view), ref.out,
                    cheri_relative_to_max(ref.out, cheri_fast_path_bound(c.dtype)), "out");
     }
+  }
+}
+
+// The training forward keeps rows for the backward exactly where the backward's front kernel
+// reads them: float32 with TF32 at C of 64 and 128, E = 2, on sm_90a.
+TEST_F(CheriCudaMisc, SavedBytesWhereTheBackwardReadsThem) {
+  const auto bytes = [](const CheriCase& c, Device device = kCuda) {
+    // shapes, dtype and device only: views without data
+    const CheriBlockWeights w{{},
+                              TensorView(nullptr, c.dtype, {c.hidden(), c.c}, device),
+                              TensorView(nullptr, c.dtype, {c.c, c.hidden()}, device)};
+    return fusekit::cheri_block_saved_bytes(TensorView(nullptr, c.dtype, {c.n, c.l, c.c}, device),
+                                            w, c.block_options());
+  };
+  const CheriCase model{4, 100, 128, 2, 4};
+  const bool hopper = fusekit::detail::has_warpgroup_mma(0);
+  EXPECT_EQ(bytes(model), hopper ? 4 * 100 * 128 * 2 : 0);
+  EXPECT_EQ(bytes({4, 100, 64, 2, 4}), hopper ? 4 * 100 * 64 * 2 : 0);
+  EXPECT_EQ(bytes(model, kCpu), 0);
+  EXPECT_EQ(bytes({4, 100, 128, 3, 4}), 0);
+  EXPECT_EQ(bytes({4, 100, 48, 2, 4}), 0);
+  EXPECT_EQ(bytes(with_dtype(model, DType::BFloat16)), 0);
+  CheriCase exact = model;
+  exact.allow_tf32 = false;
+  EXPECT_EQ(bytes(exact), 0);
+  EXPECT_EQ(bytes({0, 100, 128, 2, 4}), 0);
+}
+
+// Where the fused forward does not take the call (its out not 16-byte aligned) but x and grad_out
+// are aligned, the saved rows come from a pass of their own and the backward's front kernel reads
+// them.
+TEST_F(CheriCudaMisc, SavedRowsWithoutTheFusedForward) {
+  for (const CheriCase& c : {CheriCase{3, 45, 64, 2, 4}, CheriCase{2, 70, 128, 2, 300}}) {
+    SCOPED_TRACE(cheri_case_name(c));
+    check_block(make_cheri_inputs(c, rng_), c, {.out = {{}, 0, 1}});
   }
 }
 

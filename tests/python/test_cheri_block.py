@@ -716,9 +716,16 @@ def test_opcheck(rng, device, dtype):
     torch.library.opcheck(ops.cheri_block.default, (*inputs, 3, 0.5, 1e-2, False))
     torch.library.opcheck(ops.cheri_block_inference.default, (*inputs, 2))
     torch.library.opcheck(ops.dilated_conv_norm.default, (*leaves[:2], 2))
-    out, mean, rstd = ops.cheri_block(*inputs, 2)
+    out, mean, rstd, saved = ops.cheri_block(*inputs, 2)
     grad_out = rng.randn(2, 9, 8, dtype=dtype, device=device)
     torch.library.opcheck(ops.cheri_block_backward.default, (grad_out, *inputs, mean, rstd, 2))
+    # C = 64: on sm_90a the float32 forward keeps rows for the backward (saved not empty)
+    wide = make_inputs(rng, 2, 9, 64, dtype=dtype, device=device)
+    torch.library.opcheck(ops.cheri_block.default, (*wide, 2))
+    out, mean, rstd, saved = ops.cheri_block(*wide, 2)
+    grad_wide = rng.randn(2, 9, 64, dtype=dtype, device=device)
+    torch.library.opcheck(ops.cheri_block_backward.default, (grad_wide, *wide, mean, rstd, 2),
+                          {"saved": saved})
     _, mean, rstd = ops.dilated_conv_norm(*inputs[:2], 2)
     torch.library.opcheck(ops.dilated_conv_norm_backward.default,
                           (grad_out, *inputs[:2], mean, rstd, 2))

@@ -89,6 +89,22 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
                  const TensorView& x, const CheriBlockWeights& weights,
                  const CheriBlockOptions& options = {}, Stream stream = {});
 
+/// The size in bytes of what the training forward can keep for the backward besides mean and
+/// rstd, so that the backward need not recompute it: the normalised rows y in float16, in an
+/// order of the backward's own (N L C 2 bytes). 0 where the backward would not read them: it
+/// does on CUDA for float32 x with allow_tf32 at C of 64 or 128 and E = 2, on compute capability
+/// 9.0 with an sm_90a build. Only the shapes, dtype and device of x and the weights and the
+/// options are read (their data may be null).
+std::int64_t cheri_block_saved_bytes(const TensorView& x, const CheriBlockWeights& weights,
+                                     const CheriBlockOptions& options = {});
+
+/// The training forward, which also writes `saved`: uint8 [cheri_block_saved_bytes(x, weights,
+/// options)] on x's device, contiguous and 16-byte aligned (an empty view: nothing kept, as in
+/// the overload above).
+void cheri_block(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+                 const TensorView& saved, const TensorView& x, const CheriBlockWeights& weights,
+                 const CheriBlockOptions& options = {}, Stream stream = {});
+
 /// The backward of the training forward: grad_x and the three weight gradients (`grads`), from
 /// grad_out, the inputs and the forward's mean and rstd (everything else is recomputed).
 void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& grads,
@@ -96,6 +112,16 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
                           const CheriBlockWeights& weights, const TensorView& mean,
                           const TensorView& rstd, const CheriBlockOptions& options = {},
                           Stream stream = {});
+
+/// The backward that reads what the forward kept in `saved` (written by the forward with the
+/// same x, weights and options) instead of recomputing it; an empty view recomputes, as the
+/// overload above. The gradients may differ from the recomputing backward's in the last bits
+/// (y rounded to float16 by another sequence of operations); each is deterministic.
+void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& grads,
+                          const TensorView& grad_out, const TensorView& x,
+                          const CheriBlockWeights& weights, const TensorView& mean,
+                          const TensorView& rstd, const TensorView& saved,
+                          const CheriBlockOptions& options = {}, Stream stream = {});
 
 /// The inference forward: out only, in as few passes over memory as possible, nothing saved.
 void cheri_block_inference(const TensorView& out, const TensorView& x,

@@ -19,14 +19,20 @@ struct Sizes {
   std::int64_t n = 0, l = 0, c = 0;
 };
 
-// x: [N, L, C] with L >= 1 and C >= 1, a floating dtype, data.
-Sizes check_x(const char* op, const TensorView& x) {
+// x: [N, L, C] with L >= 1 and C >= 1, a floating dtype (its data not looked at).
+Sizes check_x_shape(const char* op, const TensorView& x) {
   FUSEKIT_CHECK(x.ndim == 3, op, ": x has ", x.ndim, " dims ", x.shape_string(),
                 ", expected 3 dims [N, L, C]");
   const Sizes s{x.shape[0], x.shape[1], x.shape[2]};
   FUSEKIT_CHECK(s.l >= 1 && s.c >= 1, op, ": x ", x.shape_string(), " has L = ", s.l, " and C = ",
                 s.c, ", expected L >= 1 and C >= 1");
   detail::check_dtype(op, "x", x, {DType::Float32, DType::Float16, DType::BFloat16});
+  return s;
+}
+
+// x as above, with data.
+Sizes check_x(const char* op, const TensorView& x) {
+  const Sizes s = check_x_shape(op, x);
   detail::check_data(op, "x", x);
   return s;
 }
@@ -110,6 +116,25 @@ void check_block_options(const char* op, const CheriBlockOptions& options) {
   FUSEKIT_CHECK(std::isfinite(scale) && std::isfinite(static_cast<float>(scale)), op,
                 ": options.residual_scale is ", scale,
                 ", expected a finite value (within float32's range)");
+}
+
+// The rows kept for the backward (`saved`): absent, or uint8 [bytes] on x's device, contiguous,
+// 16-byte aligned, where bytes (cheri_block_saved_bytes) is not 0.
+void check_saved(const char* op, const TensorView& saved, const TensorView& x,
+                 std::int64_t bytes) {
+  if (!detail::given(saved)) return;
+  FUSEKIT_CHECK(bytes > 0, op, ": saved was given (", saved.describe(),
+                "), but this call keeps nothing for the backward (cheri_block_saved_bytes is 0); "
+                "expected an empty view");
+  detail::check_shape(op, "saved", saved, {{"cheri_block_saved_bytes", bytes}});
+  detail::check_dtype(op, "saved", saved, {DType::UInt8});
+  detail::check_same_device(op, "saved", saved, "x", x);
+  detail::check_data(op, "saved", saved);
+  FUSEKIT_CHECK(saved.strides[0] == 1, op, ": saved ", saved.shape_string(), " has stride ",
+                saved.strides[0], ", expected a contiguous buffer");
+  FUSEKIT_CHECK(reinterpret_cast<std::uintptr_t>(saved.data) % 16 == 0, op,
+                ": saved starts at an address that is not a multiple of 16 bytes (",
+                saved.describe(), "); expected 16-byte alignment");
 }
 
 detail::CheriActivation activation(const TensorView& t) {
@@ -213,8 +238,36 @@ void dilated_conv_norm_backward(const TensorView& grad_x, const TensorView& grad
       [&] { detail::launch_dilated_conv_norm_backward(p, x.device.index, stream); });
 }
 
+std::int64_t cheri_block_saved_bytes(const TensorView& x, const CheriBlockWeights& weights,
+                                     const CheriBlockOptions& options) {
+  constexpr const char* kOp = "cheri_block_saved_bytes";
+  const Sizes s = check_x_shape(kOp, x);
+  const TensorView& w1 = weights.linear1_weight;
+  FUSEKIT_CHECK(w1.ndim == 2, kOp, ": weights.linear1_weight has ", w1.ndim, " dims ",
+                w1.shape_string(), ", expected 2 dims [E C, C]");
+  detail::check_shape(kOp, "weights.linear1_weight", w1, {{"E C", w1.shape[0]}, {"C", s.c}});
+  detail::check_shape(kOp, "weights.linear2_weight", weights.linear2_weight,
+                      {{"C", s.c}, {"E C", w1.shape[0]}});
+  check_block_options(kOp, options);
+  if (x.device.kind != DeviceKind::CUDA || s.n == 0) return 0;
+  detail::CheriBlockParams p = base_params(s, x, options.dilation, options.eps);
+  p.hidden = w1.shape[0];
+  p.allow_tf32 = options.allow_tf32;
+  std::int64_t bytes = 0;
+  detail::dispatch_device(
+      kOp, x.device, [] {},
+      [&] { bytes = detail::cheri_block_saved_bytes_cuda(p, x.device.index); });
+  return bytes;
+}
+
 void cheri_block(const TensorView& out, const TensorView& mean, const TensorView& rstd,
                  const TensorView& x, const CheriBlockWeights& weights,
+                 const CheriBlockOptions& options, Stream stream) {
+  cheri_block(out, mean, rstd, TensorView{}, x, weights, options, stream);
+}
+
+void cheri_block(const TensorView& out, const TensorView& mean, const TensorView& rstd,
+                 const TensorView& saved, const TensorView& x, const CheriBlockWeights& weights,
                  const CheriBlockOptions& options, Stream stream) {
   constexpr const char* kOp = "cheri_block";
   const Sizes s = check_x(kOp, x);
@@ -224,7 +277,8 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
   check_conv_weight(kOp, "weights.conv_weight", weights.conv_weight, x, s);
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
-  detail::check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}},
+  if (detail::given(saved)) check_saved(kOp, saved, x, cheri_block_saved_bytes(x, weights, options));
+  detail::check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}, {"saved", &saved}},
                         {{"x", &x},
                          {"weights.conv_weight", &weights.conv_weight},
                          {"weights.linear1_weight", &weights.linear1_weight},
@@ -238,6 +292,7 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
   p.out = activation(out);
   p.mean = stat(mean);
   p.rstd = stat(rstd);
+  p.saved_y = saved.data;
   detail::dispatch_device(
       kOp, x.device, [&] { detail::cheri_block_cpu(p); },
       [&] { detail::launch_cheri_block(p, x.device.index, stream); });
@@ -248,6 +303,15 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
                           const CheriBlockWeights& weights, const TensorView& mean,
                           const TensorView& rstd, const CheriBlockOptions& options,
                           Stream stream) {
+  cheri_block_backward(grad_x, grads, grad_out, x, weights, mean, rstd, TensorView{}, options,
+                       stream);
+}
+
+void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& grads,
+                          const TensorView& grad_out, const TensorView& x,
+                          const CheriBlockWeights& weights, const TensorView& mean,
+                          const TensorView& rstd, const TensorView& saved,
+                          const CheriBlockOptions& options, Stream stream) {
   constexpr const char* kOp = "cheri_block_backward";
   const Sizes s = check_x(kOp, x);
   check_like_x(kOp, "grad_x", grad_x, x, s);
@@ -264,6 +328,7 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
   check_stat(kOp, "mean", mean, x, s);
   check_stat(kOp, "rstd", rstd, x, s);
   check_block_options(kOp, options);
+  if (detail::given(saved)) check_saved(kOp, saved, x, cheri_block_saved_bytes(x, weights, options));
   detail::check_outputs(kOp,
                         {{"grad_x", &grad_x},
                          {"grads.conv_weight", &grads.conv_weight},
@@ -275,7 +340,8 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
                          {"weights.linear1_weight", &weights.linear1_weight},
                          {"weights.linear2_weight", &weights.linear2_weight},
                          {"mean", &mean},
-                         {"rstd", &rstd}});
+                         {"rstd", &rstd},
+                         {"saved", &saved}});
   // N = 0 still has a result: the weight gradients, sums over no examples, are zero.
   if (s.n != 0) {
     check_unit_stride_on_c(kOp, "grad_x", grad_x);
@@ -292,6 +358,7 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
   p.grad_conv_weight = matrix(grads.conv_weight);
   p.grad_linear1 = matrix(grads.linear1_weight);
   p.grad_linear2 = matrix(grads.linear2_weight);
+  p.saved_y = saved.data;
   detail::dispatch_device(
       kOp, x.device, [&] { detail::cheri_block_backward_cpu(p); },
       [&] { detail::launch_cheri_block_backward(p, x.device.index, stream); });

@@ -1779,11 +1779,13 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
     // Every load of the batch first, so that their latencies overlap; then the arithmetic.
     uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
     float scale[kBatch], shift[kBatch];
+    int plane_row[kBatch];  // the row of the plane, -1 past it
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (b > 0) at.advance(kRowsPerPass, mean, rstd);
       const int r = r_first + (u0 + b) * kRowsPerPass;  // in the part
       const PlaneRow row{at.n, at.l};
+      plane_row[b] = at.live() ? at.n * at.len + at.l : -1;
       xm[b] = *reinterpret_cast<const uint4*>(xs + (r + kWsHalo) * kC + c0);
       xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, at.live() && at.l >= di);
       xr[b] = tap_piece<T, kC, kNear>(p, s, xs, r, d, row, c0, at.live() && at.l < at.len - di);
@@ -1809,6 +1811,14 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
           v[e] = fmaf(conv, scale[b], shift[b]);
         }
         h[j / 2] = pack_half2(v[0], v[1]);
+      }
+      if (p.saved_y != nullptr && plane_row[b] >= 0) {
+        // the training forward keeps y for the backward, its columns in quad order
+        auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
+#pragma unroll
+        for (int j = 0; j < kV; j += 2) {
+          *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + j)) = h[j / 2];
+        }
       }
       unsigned char* dst = a + swizzled_offset(r, c0 % 64);
       if constexpr (kV == 8) {
@@ -1992,6 +2002,40 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #endif
 }
 
+/// The training forward's saved rows (CheriBlockParams::saved_y) where the warp-specialised kernel
+/// does not write them: y = (conv - mean) rstd of float32 x in float16, each row's columns in quad
+/// order (quad_order), one 16-byte piece (position 8 q of a 32-column group) a thread.
+__global__ void __launch_bounds__(kThreads) save_rows_kernel(const CheriBlockParams p) {
+  const std::int64_t pieces_a_row = p.c / 8, len = p.l, d = p.dilation;
+  const auto* w = static_cast<const float*>(p.conv_weight.data);
+  const std::int64_t ws0 = p.conv_weight.stride[0], ws1 = p.conv_weight.stride[1];
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < p.n * len * pieces_a_row; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / pieces_a_row, n = row / len, l = row % len;
+    const int piece = static_cast<int>(i % pieces_a_row), q = piece % 4;
+    const float* mid = row_of<float>(p.x, n, l);
+    const float* left = l >= d ? row_of<float>(p.x, n, l - d) : nullptr;
+    const float* right = l + d < len ? row_of<float>(p.x, n, l + d) : nullptr;
+    const float mean = p.mean.data[n * p.mean.stride], rstd = p.rstd.data[n * p.rstd.stride];
+    std::uint32_t v[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      float y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const std::int64_t c = 32 * (piece / 4) + 8 * a + 2 * q + e;
+        float conv = w[ws0 + c * ws1] * mid[c];
+        if (left != nullptr) conv += w[c * ws1] * left[c];
+        if (right != nullptr) conv += w[2 * ws0 + c * ws1] * right[c];
+        y[e] = (conv - mean) * rstd;
+      }
+      v[a] = pack_half2(y[0], y[1]);
+    }
+    *reinterpret_cast<uint4*>(static_cast<__half*>(p.saved_y) + row * p.c + 8 * piece) =
+        make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 // The front of the training backward on the same machinery (sm_90a, float32 x with TF32
 // allowed): per warpgroup tile of 64 rows, y (conv + norm) and grad_out as float16 A fragments,
 // then per 64 hidden columns h = y W1^T and e = grad_out W2 as two wgmma chains on the tile, and
@@ -2062,7 +2106,7 @@ __device__ __forceinline__ int row_exponent(float bound) {
 /// 2^e as a float (e in [-126, 127]).
 __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e + 127) << 23); }
 
-template <int kC>
+template <int kC, bool kSaved>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_backward_front_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
                                 const float* w2t, const FrontOut out, float* row_sums) {
@@ -2117,18 +2161,38 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
 
   std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
-  if (tile < tiles) copy_x_tile<T, kC>(xs, tile, p, t);
+  if (!kSaved && tile < tiles) copy_x_tile<T, kC>(xs, tile, p, t);
   for (; tile < tiles; tile += stride) {
-    cp_async_wait<0>();
-    sync_warpgroup();  // this tile's x landed (every thread's copies)
     const PlaneRow first{tile * kWgRows / len, tile * kWgRows % len};
     std::uint32_t af[kKSteps][4];
-    conv_norm_fragments<T, kC, kWgRows>(af, xs, r0, first, p, cw,
-                                        {p.saved_mean.data, p.saved_mean.stride},
-                                        {p.saved_rstd.data, p.saved_rstd.stride},
-                                        [](int, int, float2) {});
-    sync_warpgroup();  // every warp is done with xs
-    if (tile + stride < tiles) copy_x_tile<T, kC>(xs, tile + stride, p, t);
+    if constexpr (kSaved) {
+      // y as the forward kept it (columns in quad order): each lane's pieces of a 32-column
+      // group are 16 bytes
+      const auto* saved = static_cast<const __half*>(p.saved_y);
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+#pragma unroll
+        for (int m = 0; m < kC / 32; ++m) {
+          const uint4 v = row < rows ? *reinterpret_cast<const uint4*>(saved + row * kC + 32 * m +
+                                                                       8 * q)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+          af[2 * m][h2] = v.x;
+          af[2 * m][2 + h2] = v.y;
+          af[2 * m + 1][h2] = v.z;
+          af[2 * m + 1][2 + h2] = v.w;
+        }
+      }
+    } else {
+      cp_async_wait<0>();
+      sync_warpgroup();  // this tile's x landed (every thread's copies)
+      conv_norm_fragments<T, kC, kWgRows>(af, xs, r0, first, p, cw,
+                                          {p.saved_mean.data, p.saved_mean.stride},
+                                          {p.saved_rstd.data, p.saved_rstd.stride},
+                                          [](int, int, float2) {});
+      sync_warpgroup();  // every warp is done with xs
+      if (tile + stride < tiles) copy_x_tile<T, kC>(xs, tile + stride, p, t);
+    }
 
     // The thread's rows r0 + g + 8 h2 of the tile: y out, grad_out in (scaled per row).
     std::uint32_t ad[kKSteps][4];
@@ -2156,7 +2220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // y: the pieces of 32-column group m are af[2 m + a / 2][2 (a % 2) + h2], a = 0 .. 3
 #pragma unroll
-      for (int m = 0; m < kC / 32; ++m) {
+      for (int m = 0; m < kC / 32 && !kSaved; ++m) {
         std::uint32_t piece[4];
 #pragma unroll
         for (int a = 0; a < 4; ++a) piece[a] = af[2 * m + a / 2][2 * (a % 2) + h2];
@@ -3249,17 +3313,44 @@ template <int kC>
 void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
                     const float* w2t, const FrontOut& out, float* row_sums, int device,
                     cudaStream_t stream) {
-  static std::atomic<bool> allowed[kMaxDevices];
-  const auto kernel = cheri_backward_front_kernel<kC>;
-  allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed, true, [&] {
-    return concat(kOp, ": the backward's front kernel (C = ", kC, ")");
-  });
+  static std::atomic<bool> allowed[2][kMaxDevices];
+  const bool saved = p.saved_y != nullptr;
+  const auto kernel =
+      saved ? cheri_backward_front_kernel<kC, true> : cheri_backward_front_kernel<kC, false>;
+  allow_shared_memory(kernel, max_shared_memory_per_block(device), device, allowed[saved], true,
+                      [&] { return concat(kOp, ": the backward's front kernel (C = ", kC, ")"); });
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
   kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, out,
                                                                        row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
+}
+
+/// Whether the warp-specialised kernel takes the forward (try_fused).
+template <typename T>
+bool ws_takes(const CheriBlockParams& p, int device) {
+  return (fused_fits<T, 128>(p, device) && ws_fits<T, 128>(p, device)) ||
+         (fused_fits<T, 64>(p, device) && ws_fits<T, 64>(p, device));
+}
+
+/// Whether the training forward keeps y for the backward's front kernel at C = kC: the front
+/// kernel's conditions that the forward can see (front_fits less the rows' alignment, which
+/// save_rows covers in the forward and the backward checks itself). It depends on the shapes,
+/// dtype, options and device only, so that the saved rows' size is known before the call.
+template <int kC>
+bool keeps_rows(const CheriBlockParams& p, int device) {
+  constexpr std::int64_t kIntRows = std::numeric_limits<int>::max() - kWgRows;  // RowCursor
+  return use_tf32(p) && p.c == kC && p.hidden == 2 * kC && p.n * p.l < kIntRows &&
+         warpgroup_kernel_fits(p, device, front_smem_bytes<kC>(p.hidden)) &&
+         warpgroup_kernel_fits(p, device, ws_smem_bytes<float, kC>(p.hidden));
+}
+
+/// save_rows_kernel over the plane's rows.
+void save_rows(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  const std::int64_t pieces = p.n * p.l * (p.c / 8);
+  save_rows_kernel<<<grid_for(pieces, device), kThreads, 0, stream>>>(p);
+  FUSEKIT_CUDA_CHECK_LAUNCH("save_rows_kernel");
 }
 
 /// The backward's weights as dense float32, in the workspace pieces at the given offsets where
@@ -3317,7 +3408,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   };
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * kC)), o_w1 = carve.take(floats(kH * kC)),
-                    o_w2 = carve.take(floats(kC * kH)), o_y = carve.take(halves(rows * kC)),
+                    o_w2 = carve.take(floats(kC * kH)),
+                    o_y = carve.take(p.saved_y != nullptr ? 0 : halves(rows * kC)),
                     o_go = carve.take(halves(rows * kC)), o_g = carve.take(halves(rows * kH)),
                     o_dg = carve.take(halves(rows * kH)),
                     o_exps = carve.take(ints(3 * stride)),
@@ -3328,7 +3420,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n));
   const StreamWorkspace ws(carve.total(), stream);
   const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
-  const FrontOut out{at<__half>(ws, o_y),  at<__half>(ws, o_go),   at<__half>(ws, o_g),
+  const FrontOut out{p.saved_y ? static_cast<__half*>(p.saved_y) : at<__half>(ws, o_y),
+                     at<__half>(ws, o_go),   at<__half>(ws, o_g),
                      at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
@@ -3489,6 +3582,9 @@ void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream) {
     if (!(std::is_same_v<T, float> && use_tf32(p) && try_fused<T>(p, device, s))) {
       block_forward<T>(p, use_tf32(p), device, s);
     }
+    // The rows the backward's front kernel reads, where the warp-specialised kernel (whose
+    // producer writes them as it builds its tiles) did not take the call.
+    if (p.saved_y != nullptr && !ws_takes<T>(p, device)) save_rows(p, device, s);
   });
 }
 
@@ -3499,6 +3595,13 @@ void launch_cheri_block_backward(const CheriBlockParams& p, int device, Stream s
     using T = typename CudaType<decltype(tag)::value>::type;
     block_backward<T>(p, device, s);
   });
+}
+
+std::int64_t cheri_block_saved_bytes_cuda(const CheriBlockParams& p, int device) {
+  const CudaDeviceGuard guard(device);
+  return keeps_rows<128>(p, device) || keeps_rows<64>(p, device)
+             ? p.n * p.l * p.c * static_cast<std::int64_t>(sizeof(__half))
+             : 0;
 }
 
 void launch_cheri_block_inference(const CheriBlockParams& p, int device, Stream stream) {

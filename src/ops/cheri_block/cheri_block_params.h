@@ -48,6 +48,10 @@ struct CheriBlockParams {
   // Outputs.
   CheriActivation out;        // [N, L, C]: out of the block, or y of dilated_conv_norm
   CheriStat mean, rstd;       // the forward's statistics (null: not written)
+  // The rows the training forward keeps for the backward (cheri_block_saved_bytes; null: none):
+  // y in float16 [N L, C], each row's columns in quad order. An output of the forward, an input
+  // of the backward; only the CUDA backend's float32 path with TF32 writes and reads them.
+  void* saved_y = nullptr;
   CheriActivation grad_x;     // [N, L, C]
   CheriMatrix grad_conv_weight, grad_linear1, grad_linear2;  // null when not computed
 };
@@ -65,5 +69,8 @@ void launch_dilated_conv_norm_backward(const CheriBlockParams& p, int device, St
 void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream);
 void launch_cheri_block_backward(const CheriBlockParams& p, int device, Stream stream);
 void launch_cheri_block_inference(const CheriBlockParams& p, int device, Stream stream);
+/// The bytes of the rows the training forward keeps for the backward with these sizes, dtype and
+/// options (only those are read), or 0 where the backward's front kernel would not read them.
+std::int64_t cheri_block_saved_bytes_cuda(const CheriBlockParams& p, int device);
 
 }  // namespace fusekit::detail
