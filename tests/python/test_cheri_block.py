@@ -706,6 +706,22 @@ def test_numpy_out(rng):
 # ------------------------------------------------------------------------------ torch.library
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_forward_keeps_rows_where_the_backward_reads_them(rng, device):
+    # float32 with TF32 at C of 64 and 128, E = 2, on sm_90a: y in float16 (2 bytes a value)
+    hopper = (device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+              and "90a" in fusekit.build_info()["cuda_architectures"].split())
+    for c, dtype, allow_tf32, kept in ((64, torch.float32, True, hopper),
+                                       (128, torch.float32, True, hopper),
+                                       (128, torch.float32, False, False),
+                                       (128, torch.bfloat16, True, False),
+                                       (48, torch.float32, True, False)):
+        inputs = make_inputs(rng, 2, 9, c, dtype=dtype, device=device)
+        saved = torch.ops.fusekit.cheri_block(*inputs, 2, allow_tf32=allow_tf32)[3]
+        assert saved.dtype == torch.uint8 and saved.device == inputs[0].device
+        assert saved.numel() == (2 * 9 * c * 2 if kept else 0), (c, dtype, allow_tf32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(rng, device, dtype):

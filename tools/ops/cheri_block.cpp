@@ -328,10 +328,15 @@ void bench(const BenchContext& ctx) {
       const DeviceTensor g_conv = testing::empty_poisoned({3, c.c}, kF32, device);
       const DeviceTensor g_l1 = testing::empty_poisoned({hidden, c.c}, kF32, device);
       const DeviceTensor g_l2 = testing::empty_poisoned({c.c, hidden}, kF32, device);
+      // what the forward keeps for the backward, where it keeps anything
+      const std::int64_t saved_bytes = cheri_block_saved_bytes(x.view, weights, options);
+      const DeviceTensor saved = saved_bytes > 0
+                                     ? testing::empty_poisoned({saved_bytes}, DType::UInt8, device)
+                                     : DeviceTensor{};
       const detail::Timing t = detail::time_it(device, {}, [&] {
-        cheri_block(out.view, mean.view, rstd.view, x.view, weights, options);
+        cheri_block(out.view, mean.view, rstd.view, saved.view, x.view, weights, options);
         cheri_block_backward(grad_x.view, {g_conv.view, g_l1.view, g_l2.view}, grad_out.view,
-                             x.view, weights, mean.view, rstd.view, options);
+                             x.view, weights, mean.view, rstd.view, saved.view, options);
       }, ctx.timer);
       row.set_timing(t);
       row.bytes = 5 * act_bytes;      // x, out; x again, grad_out, grad_x

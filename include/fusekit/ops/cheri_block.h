@@ -33,8 +33,9 @@
 // fused kernel, below); else the training forward about (C + E C) N L float32 values; the
 // backward about (C + 2 E C) N L float32 values (one C more for half precision or strided
 // grad_out) plus one [E C, C] float32 partial per 4096 rows for each linear weight gradient, or,
-// where it keeps float16 intermediates (above), (2 C + 2 E C) N L float16 and (C + 5) N L
-// 4-byte values plus two [E C, C] float32 partials per multiprocessor.
+// where it keeps float16 intermediates (above), (2 C + 2 E C) N L float16 (C fewer when it reads
+// the forward's saved rows) and (C + 5) N L 4-byte values plus two [E C, C] float32 partials per
+// multiprocessor. The saved rows themselves (cheri_block_saved_bytes) are the caller's.
 // The inference forward on CUDA runs its products on float16 operands with float32 accumulation
 // in one fused kernel where C is 64 or 128 (E C a multiple of 64, rows of x and out 16-byte
 // aligned), on warpgroup MMAs on compute capability 9.0 with a build for sm_90a; other shapes take
