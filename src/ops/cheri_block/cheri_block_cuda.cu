@@ -2282,39 +2282,76 @@ __global__ void __launch_bounds__(kThreads, 1)
         const std::uint32_t offset = (ks / 4) * w_block + hc * 128 + (ks % 4) * 32;
         wgmma_rs<__half, kWgHidden>(acc_h, af[ks], advance_descriptor(w1_desc, offset), ks > 0);
       }
+      wgmma_commit();
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
         const std::uint32_t offset = (ks / 4) * w_block + hc * 128 + (ks % 4) * 32;
         wgmma_rs<__half, kWgHidden>(acc_e, ad[ks], advance_descriptor(w2_desc, offset), ks > 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(acc_h);
-      wgmma_fence_operands(acc_e);
       // Lane (g, q) of warp w holds rows 16 w + g (+ 8), columns 8 j + 2 q + {0, 1} of the
-      // chunk in acc[4 j + 2 h2 + {0, 1}].
+      // chunk in acc[4 j + 2 h2 + {0, 1}]. Per row half h2 and 32-column group m: g = GELU(h)
+      // out, GELU'(h) into `grad`; then dg (from e and grad) out and the row's sums.
+      const auto g_group = [&](int h2, int m, float (&grad)[8]) {
+        std::uint32_t g_piece[4];
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
+        for (int a = 0; a < 4; ++a) {
+          const int i = 4 * (4 * m + a) + 2 * h2;
+          const GeluAndGrad ga = gelu_tanh_and_grad_fast(acc_h[i]);
+          const GeluAndGrad gb = gelu_tanh_and_grad_fast(acc_h[i + 1]);
+          g_piece[a] = pack_half2(ga.value * g_scale[h2], gb.value * g_scale[h2]);
+          grad[2 * a] = ga.grad;
+          grad[2 * a + 1] = gb.grad;
+        }
         const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+        if (row < rows) store_quad(out.g + row * hidden + hc + 32 * m, g_piece, q);
+      };
+      const auto dg_group = [&](int h2, int m, const float (&grad)[8]) {
+        std::uint32_t dg_piece[4];
 #pragma unroll
-        for (int m = 0; m < kWgHidden / 32; ++m) {
-          std::uint32_t g_piece[4], dg_piece[4];
+        for (int a = 0; a < 4; ++a) {
+          const int j = 4 * m + a, i = 4 * j + 2 * h2;
+          // dg / unscale (the row's sums are unscaled once at the end)
+          const float2 d = make_float2(acc_e[i] * grad[2 * a], acc_e[i + 1] * grad[2 * a + 1]);
+          dg_piece[a] = pack_half2(d.x * dg_scale[h2], d.y * dg_scale[h2]);
+          const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
+          sum_dy[h2] += d.x * uj.x + d.y * uj.y;
+          sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
+        }
+        const std::int64_t row = tile * kWgRows + r0 + g + 8 * h2;
+        if (row < rows) store_quad(out.dg + row * hidden + hc + 32 * m, dg_piece, q);
+      };
+      if constexpr (kSaved) {
+        // With y read rather than rebuilt there are registers for GELU' of the whole chunk:
+        // GELU(h) runs while the tensor cores still compute e.
+        wgmma_wait<1>();
+        wgmma_fence_operands(acc_h);
+        float grad[2][kWgHidden / 32][8];
 #pragma unroll
-          for (int a = 0; a < 4; ++a) {
-            const int j = 4 * m + a, i = 4 * j + 2 * h2;
-            const GeluAndGrad ga = gelu_tanh_and_grad_fast(acc_h[i]);
-            const GeluAndGrad gb = gelu_tanh_and_grad_fast(acc_h[i + 1]);
-            // dg / unscale (the row's sums are unscaled once at the end)
-            const float2 d = make_float2(acc_e[i] * ga.grad, acc_e[i + 1] * gb.grad);
-            g_piece[a] = pack_half2(ga.value * g_scale[h2], gb.value * g_scale[h2]);
-            dg_piece[a] = pack_half2(d.x * dg_scale[h2], d.y * dg_scale[h2]);
-            const float2 uj = *reinterpret_cast<const float2*>(u + hc + 8 * j + 2 * q);
-            sum_dy[h2] += d.x * uj.x + d.y * uj.y;
-            sum_dy_y[h2] += d.x * acc_h[i] + d.y * acc_h[i + 1];
-          }
-          if (row < rows) {
-            store_quad(out.g + row * hidden + hc + 32 * m, g_piece, q);
-            store_quad(out.dg + row * hidden + hc + 32 * m, dg_piece, q);
+        for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+          for (int m = 0; m < kWgHidden / 32; ++m) g_group(h2, m, grad[h2][m]);
+        }
+        // (the barrier keeps ptxas from moving the work above past the wait below)
+        sync_warpgroup();
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_e);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+          for (int m = 0; m < kWgHidden / 32; ++m) dg_group(h2, m, grad[h2][m]);
+        }
+      } else {
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_h);
+        wgmma_fence_operands(acc_e);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+          for (int m = 0; m < kWgHidden / 32; ++m) {
+            float grad[8];
+            g_group(h2, m, grad);
+            dg_group(h2, m, grad);
           }
         }
       }
