@@ -1755,7 +1755,7 @@ struct RowCursor {
 /// The producer's work on part `part` of a tile: A = conv + norm of the part's rows (in the x
 /// slot `xs`) into the A slot's block `a`, `at` at the thread's first row of the part (see
 /// ws_producer; kNear: d <= kWsHalo).
-template <typename T, int kC, bool kNear>
+template <typename T, int kC, bool kNear, bool kKeep>
 __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
                                                 const WsShared<T, kC>& s, const T* xs,
                                                 unsigned char* a, int part, RowCursor& at,
@@ -1779,13 +1779,13 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
     // Every load of the batch first, so that their latencies overlap; then the arithmetic.
     uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
     float scale[kBatch], shift[kBatch];
-    int plane_row[kBatch];  // the row of the plane, -1 past it
+    [[maybe_unused]] int plane_row[kBatch];  // kKeep: the row of the plane, -1 past it
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       if (b > 0) at.advance(kRowsPerPass, mean, rstd);
       const int r = r_first + (u0 + b) * kRowsPerPass;  // in the part
       const PlaneRow row{at.n, at.l};
-      plane_row[b] = at.live() ? at.n * at.len + at.l : -1;
+      if constexpr (kKeep) plane_row[b] = at.live() ? at.n * at.len + at.l : -1;
       xm[b] = *reinterpret_cast<const uint4*>(xs + (r + kWsHalo) * kC + c0);
       xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, at.live() && at.l >= di);
       xr[b] = tap_piece<T, kC, kNear>(p, s, xs, r, d, row, c0, at.live() && at.l < at.len - di);
@@ -1812,8 +1812,8 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
         }
         h[j / 2] = pack_half2(v[0], v[1]);
       }
-      if (p.saved_y != nullptr && plane_row[b] >= 0) {
-        // the training forward keeps y for the backward, its columns in quad order
+      if (kKeep && plane_row[b] >= 0) {
+        // the training forward keeps y for the backward (saved_y), its columns in quad order
         auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
 #pragma unroll
         for (int j = 0; j < kV; j += 2) {
@@ -1830,7 +1830,7 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
   }
 }
 
-template <typename T, int kC>
+template <typename T, int kC, bool kKeep>
 __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
                                             const float* conv_w, const float* mean,
                                             const float* rstd, std::int64_t count, int t) {
@@ -1865,9 +1865,10 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
       T* xs = s.x_slot(xpos.slot);
       mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
       if (near) {
-        ws_produce_part<T, kC, true>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
+        ws_produce_part<T, kC, true, kKeep>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
       } else {
-        ws_produce_part<T, kC, false>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
+        ws_produce_part<T, kC, false, kKeep>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr,
+                                             t);
       }
       named_barrier_sync(1, kWgThreads);  // every producer thread is done with the x slot
       if (warp == 0 && q + s.kXStages < parts) {
@@ -1961,7 +1962,7 @@ __device__ __forceinline__ void ws_consumer(const CheriBlockParams& p, const WsS
 
 #endif  // FUSEKIT_WGMMA
 
-template <typename T, int kC>
+template <typename T, int kC, bool kKeep>
 __global__ void __launch_bounds__(kWsThreads, 1)
     cheri_inference_ws_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
                               const float* w2, const float* mean, const float* rstd) {
@@ -1992,7 +1993,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
   if (wg == 0) {
     warpgroup_lower_registers<kWsProducerRegisters>();
-    ws_producer<T, kC>(p, s, conv_w, mean, rstd, count, t);
+    ws_producer<T, kC, kKeep>(p, s, conv_w, mean, rstd, count, t);
   } else {
     warpgroup_raise_registers<kWsConsumerRegisters>();
     ws_consumer<T, kC>(p, s, count, wg - 1, t);
@@ -3304,15 +3305,20 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto describe = [&] { return concat(kOp, ": the fused inference kernel (C = ", c, ")"); };
   if (ws_fits<T, kC>(p, device)) {
-    static std::atomic<bool> allowed[kMaxDevices];
-    const auto kernel = cheri_inference_ws_kernel<T, kC>;
-    allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
-    const auto blocks =
-        static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
-    launch_dependent(kernel, dim3(blocks), kWsThreads, ws_smem_bytes<T, kC>(h), device, stream,
-                     p, conv_w, w1, w2, static_cast<const float*>(mean),
-                     static_cast<const float*>(rstd));
-    return;
+    // the training forward's producer also writes the saved rows (float32 x only)
+    const auto launch = [&](auto kernel, std::atomic<bool>(&allowed)[kMaxDevices]) {
+      allow_shared_memory(kernel, max_smem, device, allowed, true, describe);
+      const auto blocks =
+          static_cast<unsigned>(std::min<std::int64_t>(ceil_div(rows, kWgRows), sms));
+      launch_dependent(kernel, dim3(blocks), kWsThreads, ws_smem_bytes<T, kC>(h), device,
+                       stream, p, conv_w, w1, w2, static_cast<const float*>(mean),
+                       static_cast<const float*>(rstd));
+    };
+    static std::atomic<bool> allowed[2][kMaxDevices];
+    if constexpr (std::is_same_v<T, float>) {
+      if (p.saved_y != nullptr) return launch(cheri_inference_ws_kernel<T, kC, true>, allowed[1]);
+    }
+    return launch(cheri_inference_ws_kernel<T, kC, false>, allowed[0]);
   }
   if (wgmma_fits<T, kC>(p, device)) {
     static std::atomic<bool> allowed[kMaxDevices];
