@@ -648,4 +648,29 @@ TEST_F(CheriErrors, Overlap) {
   });
 }
 
+// The rows the training forward keeps for the backward: none on the CPU, so a buffer given for
+// them is refused by both calls; cheri_block_saved_bytes checks the shapes it reads.
+TEST_F(CheriErrors, SavedRows) {
+  EXPECT_EQ(fusekit::cheri_block_saved_bytes(t_.x.view, t_.weights()), 0);
+  const DeviceTensor saved = tensor({64}, DType::UInt8);
+  EXPECT_ERROR_CONTAINS("cheri_block: saved was given (uint8 [64] on cpu), but this call keeps "
+                        "nothing for the backward (cheri_block_saved_bytes is 0)",
+                        [&] {
+                          fusekit::cheri_block(t_.out.view, t_.mean.view, t_.rstd.view, saved.view,
+                                               t_.x.view, t_.weights());
+                        });
+  EXPECT_ERROR_CONTAINS("cheri_block_backward: saved was given", [&] {
+    fusekit::cheri_block_backward(t_.grad_x.view, t_.grads(), t_.grad_out.view, t_.x.view,
+                                  t_.weights(), t_.mean_in.view, t_.rstd_in.view, saved.view);
+  });
+  CheriBlockWeights w = t_.weights();
+  w.linear2_weight = t_.linear1.view;
+  EXPECT_ERROR_CONTAINS("cheri_block_saved_bytes: weights.linear2_weight has shape [8, 4], "
+                        "expected [C, E C] = [4, 8]",
+                        [&] { fusekit::cheri_block_saved_bytes(t_.x.view, w); });
+  EXPECT_ERROR_CONTAINS("cheri_block_saved_bytes: x has 2 dims", [&] {
+    fusekit::cheri_block_saved_bytes(TensorView(nullptr, DType::Float32, {2, 5}), t_.weights());
+  });
+}
+
 }  // namespace

@@ -390,6 +390,36 @@ TEST_F(CheriCudaMisc, SavedBytesWhereTheBackwardReadsThem) {
   EXPECT_EQ(bytes({0, 100, 128, 2, 4}), 0);
 }
 
+// A buffer for the saved rows of the wrong size, dtype or alignment is refused.
+TEST_F(CheriCudaMisc, SavedRowsChecked) {
+  const CheriCase c{2, 70, 64, 2, 4};
+  const CheriTensors t = upload_cheri(make_cheri_inputs(c, rng_), c, kCuda);
+  const DeviceTensor saved = saved_rows(t, c);
+  if (saved.view.ndim == 0) GTEST_SKIP() << "nothing kept on this device (it needs sm_90a)";
+  const std::int64_t bytes = saved.view.shape[0];
+  const auto forward = [&](const TensorView& s) {
+    fusekit::cheri_block(t.out.view, t.mean.view, t.rstd.view, s, t.x.view, t.weights(),
+                         c.block_options());
+  };
+  using fusekit::testing::empty_poisoned;
+  const DeviceTensor short_one = empty_poisoned({bytes - 16}, DType::UInt8, kCuda);
+  EXPECT_ERROR_CONTAINS("cheri_block: saved has shape [" + std::to_string(bytes - 16) + "]",
+                        [&] { forward(short_one.view); });
+  const DeviceTensor halves = empty_poisoned({bytes}, DType::Float16, kCuda);
+  EXPECT_ERROR_CONTAINS("cheri_block: saved has dtype float16, expected uint8",
+                        [&] { forward(halves.view); });
+  const DeviceTensor wide = empty_poisoned({bytes + 16}, DType::UInt8, kCuda);
+  TensorView shifted = wide.view;
+  shifted.shape[0] = bytes;
+  shifted.data = static_cast<char*>(shifted.data) + 8;
+  EXPECT_ERROR_CONTAINS("not a multiple of 16 bytes", [&] { forward(shifted); });
+  EXPECT_ERROR_CONTAINS("cheri_block_backward: saved has shape", [&] {
+    fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view,
+                                  t.weights(), t.mean.view, t.rstd.view, short_one.view,
+                                  c.block_options());
+  });
+}
+
 // Where the fused forward does not take the call (its out not 16-byte aligned) but x and grad_out
 // are aligned, the saved rows come from a pass of their own and the backward's front kernel reads
 // them.

@@ -121,8 +121,9 @@ void check_block_options(const char* op, const CheriBlockOptions& options) {
 // The rows kept for the backward (`saved`): absent, or uint8 [bytes] on x's device, contiguous,
 // 16-byte aligned, where bytes (cheri_block_saved_bytes) is not 0.
 void check_saved(const char* op, const TensorView& saved, const TensorView& x,
-                 std::int64_t bytes) {
+                 const CheriBlockWeights& weights, const CheriBlockOptions& options) {
   if (!detail::given(saved)) return;
+  const std::int64_t bytes = cheri_block_saved_bytes(x, weights, options);
   FUSEKIT_CHECK(bytes > 0, op, ": saved was given (", saved.describe(),
                 "), but this call keeps nothing for the backward (cheri_block_saved_bytes is 0); "
                 "expected an empty view");
@@ -277,7 +278,7 @@ void cheri_block(const TensorView& out, const TensorView& mean, const TensorView
   check_conv_weight(kOp, "weights.conv_weight", weights.conv_weight, x, s);
   const std::int64_t hidden = check_linear_weights(kOp, weights, x, s);
   check_block_options(kOp, options);
-  if (detail::given(saved)) check_saved(kOp, saved, x, cheri_block_saved_bytes(x, weights, options));
+  check_saved(kOp, saved, x, weights, options);
   detail::check_outputs(kOp, {{"out", &out}, {"mean", &mean}, {"rstd", &rstd}, {"saved", &saved}},
                         {{"x", &x},
                          {"weights.conv_weight", &weights.conv_weight},
@@ -328,7 +329,7 @@ void cheri_block_backward(const TensorView& grad_x, const CheriBlockWeights& gra
   check_stat(kOp, "mean", mean, x, s);
   check_stat(kOp, "rstd", rstd, x, s);
   check_block_options(kOp, options);
-  if (detail::given(saved)) check_saved(kOp, saved, x, cheri_block_saved_bytes(x, weights, options));
+  check_saved(kOp, saved, x, weights, options);
   detail::check_outputs(kOp,
                         {{"grad_x", &grad_x},
                          {"grads.conv_weight", &grads.conv_weight},

@@ -2038,14 +2038,15 @@ __global__ void __launch_bounds__(kThreads) save_rows_kernel(const CheriBlockPar
 }
 
 // The front of the training backward on the same machinery (sm_90a, float32 x with TF32
-// allowed): per warpgroup tile of 64 rows, y (conv + norm) and grad_out as float16 A fragments,
-// then per 64 hidden columns h = y W1^T and e = grad_out W2 as two wgmma chains on the tile, and
-// in float32 g = GELU(h), dg = residual_scale e GELU'(h). It writes y, grad_out, g and dg as
-// float16 (FrontOut) for weight_grad_kernel, replacing four passes (conv + norm, two products,
-// GELU and GELU') over float32 buffers. Each row of grad_out is scaled by a power of two that
-// brings its largest value into [2^14, 2^15) before its rounding to float16 for the products here,
-// so that gradients of any size keep TF32's 10 bits of mantissa (values below 2^-28 of their row's
-// largest excepted); rows whose largest value is below 2^-86 are scaled by 2^100 only. g and dg
+// allowed): per warpgroup tile of 64 rows, y (conv + norm; with kSaved, the forward's saved rows)
+// and grad_out as float16 A fragments, then per 64 hidden columns h = y W1^T and e = grad_out W2
+// as two wgmma chains on the tile, and in float32 g = GELU(h), dg = residual_scale e GELU'(h). It
+// writes y (unless kSaved), grad_out, g and dg as float16 (FrontOut) for weight_grad_kernel,
+// replacing four passes (conv + norm, two products, GELU and GELU') over float32 buffers. Each
+// row of grad_out is scaled by a power of two that brings its largest value into [2^14, 2^15)
+// before its rounding to float16 for the products here, so that gradients of any size keep
+// TF32's 10 bits of mantissa (values below 2^-28 of their row's largest excepted); rows whose
+// largest value is below 2^-86 are scaled by 2^100 only. g and dg
 // are written scaled per row too (row_exponent), from bounds known before the products:
 // |h| <= |y_r| max_j |W1_j| for g, |e| <= |grad_out_r| max_j |W2^T_j| and |GELU'| < 1.13 for dg
 // (so a row's values stay below 2^15 and keep 10 bits, whatever the scale of the gradient or of
@@ -2086,7 +2087,8 @@ __device__ __forceinline__ void store_quad(__half* group, const std::uint32_t (&
 /// The front kernel's float16 outputs: y and grad_out [N L, C], g and dg [N L, E C], the columns
 /// of each row in quad order, each row r of the last three scaled by 2^exps[k exps_stride + r]
 /// (k = 0, 1, 2; exps_stride a multiple of 64, so that each array starts 256-byte aligned).
-/// weight_grad_kernel reads them so.
+/// weight_grad_kernel reads them so. Where the forward kept the saved rows (saved_y, the same
+/// layout as y), y is those, which the front kernel reads instead of writing.
 struct FrontOut {
   __half* y;
   __half* go;
@@ -2219,13 +2221,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           y_square = fmaf(yv.x, yv.x, fmaf(yv.y, yv.y, y_square));
         }
       }
-      // y: the pieces of 32-column group m are af[2 m + a / 2][2 (a % 2) + h2], a = 0 .. 3
+      // y (unless it was read): the pieces of 32-column group m are
+      // af[2 m + a / 2][2 (a % 2) + h2], a = 0 .. 3
+      if constexpr (!kSaved) {
 #pragma unroll
-      for (int m = 0; m < kC / 32 && !kSaved; ++m) {
-        std::uint32_t piece[4];
+        for (int m = 0; m < kC / 32; ++m) {
+          std::uint32_t piece[4];
 #pragma unroll
-        for (int a = 0; a < 4; ++a) piece[a] = af[2 * m + a / 2][2 * (a % 2) + h2];
-        if (live) store_quad(out.y + row * kC + 32 * m, piece, q);
+          for (int a = 0; a < 4; ++a) piece[a] = af[2 * m + a / 2][2 * (a % 2) + h2];
+          if (live) store_quad(out.y + row * kC + 32 * m, piece, q);
+        }
       }
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
@@ -3463,9 +3468,10 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n));
   const StreamWorkspace ws(carve.total(), stream);
   const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
-  const FrontOut out{p.saved_y ? static_cast<__half*>(p.saved_y) : at<__half>(ws, o_y),
-                     at<__half>(ws, o_go),   at<__half>(ws, o_g),
-                     at<__half>(ws, o_dg), at<int>(ws, o_exps), stride};
+  // y: the forward's saved rows where it kept them, else the front kernel's
+  __half* y = p.saved_y != nullptr ? static_cast<__half*>(p.saved_y) : at<__half>(ws, o_y);
+  const FrontOut out{y, at<__half>(ws, o_go), at<__half>(ws, o_g), at<__half>(ws, o_dg),
+                     at<int>(ws, o_exps), stride};
   float* part1 = at<float>(ws, o_p1);
   float* part2 = at<float>(ws, o_p2);
   float* means = at<float>(ws, o_means);
