@@ -576,10 +576,11 @@ def _cheri_saved_empty(x, linear1_weight, allow_tf32):
     size = 0
     if x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.dim() == 3:
         n, length, c = x.shape
-        device = x.device.index if x.device.type == "cuda" else -1
+        device = -1  # the CPU (and meta tensors): nothing kept
+        if x.device.type == "cuda":
+            device = torch.cuda.current_device() if x.device.index is None else x.device.index
         size = _C.cheri_block_saved_bytes(n, length, c, linear1_weight.shape[0],
-                                          str(x.dtype).removeprefix("torch."),
-                                          -1 if device is None else device, allow_tf32)
+                                          str(x.dtype).removeprefix("torch."), device, allow_tf32)
     return torch.empty(size, dtype=torch.uint8, device=x.device)
 
 

@@ -74,30 +74,6 @@ void check_conv_norm(const CheriInputs& in, const CheriCase& c, const CheriLayou
   }
 }
 
-/// The backward's four gradients in `t` against the float64 reference.
-void expect_block_gradients(const CheriTensors& t, const CheriInputs& in, const CheriCase& c) {
-  const bool tf32 = uses_tf32(c);
-  const CheriBlockGradients ref = fusekit::testing::cheri_block_backward_reference(
-      in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
-  expect_only_view_written(t.grad_x, "grad_x");
-  expect_only_view_written(t.grad_conv_weight, "grads.conv_weight");
-  expect_only_view_written(t.grad_linear1, "grads.linear1_weight");
-  expect_only_view_written(t.grad_linear2, "grads.linear2_weight");
-  const auto tol = [&](const HostTensor& expected, const Tolerance& exact, double bound = 1e-3) {
-    return tf32 ? cheri_relative_to_max(expected, bound) : exact;
-  };
-  const Tolerance weights = cheri_weight_grad_tolerance(c);
-  const double tf32_weights = cheri_tf32_weight_grad_bound(c.n * c.l);
-  expect_close(download(t.grad_x.view), ref.grad_x,
-               tol(ref.grad_x, cheri_elementwise_tolerance(c.dtype)), "grad_x");
-  expect_close(download(t.grad_conv_weight.view), ref.grads.conv_weight,
-               tol(ref.grads.conv_weight, weights, tf32_weights), "grads.conv_weight");
-  expect_close(download(t.grad_linear1.view), ref.grads.linear1,
-               tol(ref.grads.linear1, weights, tf32_weights), "grads.linear1_weight");
-  expect_close(download(t.grad_linear2.view), ref.grads.linear2,
-               tol(ref.grads.linear2, weights, tf32_weights), "grads.linear2_weight");
-}
-
 void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& layouts) {
   const bool tf32 = uses_tf32(c);
   {
@@ -122,7 +98,7 @@ void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& 
     const CheriTensors t = upload_cheri(in, c, kCuda, layouts);
     run_block_backward(t, c);
     expect_device_ok();
-    expect_block_gradients(t, in, c);
+    expect_block_gradients(t, in, c, tf32);
   }
   // The same through the rows the forward keeps, where it keeps any (the TF32 path on sm_90a at
   // C of 64 and 128; written by the fused forward's producer, or by a pass of their own where
@@ -136,7 +112,7 @@ void check_block(const CheriInputs& in, const CheriCase& c, const CheriLayouts& 
     const CheriBlockResult ref = fusekit::testing::cheri_block_reference(
         in.x, in.w, c.dilation, c.residual_scale, c.eps);
     expect_close(download(t.out.view), ref.out, cheri_relative_to_max(ref.out, 1e-3), "out");
-    expect_block_gradients(t, in, c);
+    expect_block_gradients(t, in, c, tf32);
   }
 }
 
