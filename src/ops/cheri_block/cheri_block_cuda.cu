@@ -1699,47 +1699,84 @@ __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, 
   }
 }
 
-/// The 16 bytes of x at row `at` + `offset` of the plane (row r of the slot's part; `exists`
-/// false where that row lies outside the plane), channels c0 on: from the x slot `xs` where it
-/// holds the row (kNear, d <= kWsHalo: always; else when it lies in the part), else from global
-/// memory; zeros where it does not exist.
+/// Channels of a row that a producer thread turns into A: 16 bytes of A in float16, one or two
+/// 16-byte pieces of x.
+constexpr int kWsChannels = 8;
+
+/// The order of a producer thread's channels: a float32 thread whose lane % 8 is 4 or more
+/// takes the second 16-byte piece of its 8 channels first, so that the loads of a quarter of a
+/// warp cover 128 distinct bytes (no bank conflicts). Its k-th value is channel c0 + (k ^ flip).
+template <typename T>
+__device__ __forceinline__ int ws_channel_flip(int t) {
+  return sizeof(T) == 4 ? (t & 4) : 0;
+}
+
+/// kWsChannels elements of x as they lie in memory, in the order of ws_channel_flip.
+template <typename T>
+struct XPiece {
+  uint4 raw[kWsChannels * sizeof(T) / 16];
+
+  __device__ __forceinline__ void load(const T* from, int flip) {
+    constexpr int kPer = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      raw[k] = *reinterpret_cast<const uint4*>(from + ((k * kPer) ^ flip));
+    }
+  }
+  __device__ __forceinline__ float operator[](int k) const {
+    return to_float(reinterpret_cast<const T*>(raw)[k]);
+  }
+  static constexpr int kPieces = kWsChannels * sizeof(T) / 16;
+};
+
+/// x at row `at` + `offset` of the plane (row r of the slot's part; `exists` false where that row
+/// lies outside the plane), channels c0 on: from the x slot `xs` where it holds the row (kNear,
+/// d <= kWsHalo: always; else when it lies in the part), else from global memory; zeros where it
+/// does not exist.
 template <typename T, int kC, bool kNear>
-__device__ __forceinline__ uint4 tap_piece(const CheriBlockParams& p, const WsShared<T, kC>& s,
-                                           const T* xs, int r, std::int64_t offset, PlaneRow at,
-                                           int c0, bool exists) {
+__device__ __forceinline__ XPiece<T> tap_piece(const CheriBlockParams& p,
+                                               const WsShared<T, kC>& s, const T* xs, int r,
+                                               std::int64_t offset, PlaneRow at, int c0,
+                                               int flip, bool exists) {
   const T* from = s.zero + c0;
   if constexpr (kNear) {
     if (exists) from = xs + (r + kWsHalo + static_cast<int>(offset)) * kC + c0;
   } else if (exists) {
     const std::int64_t part_row = r + offset;
     if (part_row < 0 || part_row >= kWsPartRows<T>) {
-      return *reinterpret_cast<const uint4*>(row_of<T>(p.x, at.n, at.l + offset) + c0);
+      from = row_of<T>(p.x, at.n, at.l + offset) + c0;
+    } else {
+      from = xs + (kWsHalo + part_row) * kC + c0;
     }
-    from = xs + (kWsHalo + part_row) * kC + c0;
   }
-  return *reinterpret_cast<const uint4*>(from);
+  XPiece<T> piece;
+  piece.load(from, flip);
+  return piece;
 }
 
 /// A producer thread's current row of the plane, (n, l) in int (ws_fits keeps N L below
 /// INT_MAX - kWgRows), with its example's statistics as A = conv scale + shift (scale = rstd,
 /// shift = -mean rstd; both 0 for rows past the plane, whose outputs are never written).
+/// A cursor is built a tile ahead: its statistics are requested then and put to use by ready()
+/// when its tile comes, so that their loads' latency passes under the tile before.
 struct RowCursor {
   int n, l, examples, len;
-  float scale, shift;
+  float scale, shift;  // before ready(): rstd and mean
 
   __device__ __forceinline__ RowCursor(const CheriBlockParams& p, int row, const float* mean,
                                        const float* rstd)
       : examples(static_cast<int>(p.n)), len(static_cast<int>(p.l)) {
     n = row / len;
     l = row - n * len;
-    load_statistics(mean, rstd);
+    request_statistics(mean, rstd);
   }
   __device__ __forceinline__ bool live() const { return n < examples; }
-  __device__ __forceinline__ void load_statistics(const float* mean, const float* rstd) {
+  __device__ __forceinline__ void request_statistics(const float* mean, const float* rstd) {
     scale = live() ? rstd[n] : 0.0f;
-    shift = live() ? -mean[n] * scale : 0.0f;
+    shift = live() ? mean[n] : 0.0f;
   }
-  /// Moves on by `rows` rows.
+  __device__ __forceinline__ void ready() { shift = -shift * scale; }
+  /// Moves on by `rows` rows (the statistics of a new example used at once).
   __device__ __forceinline__ void advance(int rows, const float* mean, const float* rstd) {
     l += rows;
     if (l >= len) {
@@ -1747,7 +1784,8 @@ struct RowCursor {
         l -= len;
         ++n;
       } while (l >= len);
-      load_statistics(mean, rstd);
+      request_statistics(mean, rstd);
+      ready();
     }
   }
 };
@@ -1760,16 +1798,17 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
                                                 const WsShared<T, kC>& s, const T* xs,
                                                 unsigned char* a, int part, RowCursor& at,
                                                 const float* mean, const float* rstd,
-                                                const float (&wl)[kVec16<T>],
-                                                const float (&wm)[kVec16<T>],
-                                                const float (&wr)[kVec16<T>], int t) {
-  constexpr int kV = kVec16<T>;                       // channels of a 16-byte piece
+                                                const float (&wl)[kWsChannels],
+                                                const float (&wm)[kWsChannels],
+                                                const float (&wr)[kWsChannels], int t) {
+  constexpr int kV = kWsChannels;
   constexpr int kGroups = kC / kV;                    // pieces a row
   constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
   constexpr int kPasses = kWsPartRows<T> / kRowsPerPass;  // rows a thread covers in a part
-  constexpr int kBatch = 2;                           // rows whose loads are issued together
+  // rows whose loads are issued together (float32: a row's six 16-byte pieces)
+  constexpr int kBatch = sizeof(T) == 4 ? 1 : 2;
   static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
-  const int c0 = (t % kGroups) * kV, r_first = t / kGroups;
+  const int c0 = (t % kGroups) * kV, r_first = t / kGroups, flip = ws_channel_flip<T>(t);
   const int r_part = part * kWsPartRows<T>;  // the part's first row in the tile
   const std::int64_t d = p.dilation;
   // d in int where it is compared with a row (rows are below INT_MAX)
@@ -1777,7 +1816,7 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
 #pragma unroll 1
   for (int u0 = 0; u0 < kPasses; u0 += kBatch) {
     // Every load of the batch first, so that their latencies overlap; then the arithmetic.
-    uint4 xm[kBatch], xl[kBatch], xr[kBatch];  // 16 bytes of x each (kV elements)
+    XPiece<T> xm[kBatch], xl[kBatch], xr[kBatch];
     float scale[kBatch], shift[kBatch];
     [[maybe_unused]] int plane_row[kBatch];  // kKeep: the row of the plane, -1 past it
 #pragma unroll
@@ -1786,9 +1825,10 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
       const int r = r_first + (u0 + b) * kRowsPerPass;  // in the part
       const PlaneRow row{at.n, at.l};
       if constexpr (kKeep) plane_row[b] = at.live() ? at.n * at.len + at.l : -1;
-      xm[b] = *reinterpret_cast<const uint4*>(xs + (r + kWsHalo) * kC + c0);
-      xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, at.live() && at.l >= di);
-      xr[b] = tap_piece<T, kC, kNear>(p, s, xs, r, d, row, c0, at.live() && at.l < at.len - di);
+      xm[b].load(xs + (r + kWsHalo) * kC + c0, flip);
+      xl[b] = tap_piece<T, kC, kNear>(p, s, xs, r, -d, row, c0, flip, at.live() && at.l >= di);
+      xr[b] = tap_piece<T, kC, kNear>(p, s, xs, r, d, row, c0, flip,
+                                      at.live() && at.l < at.len - di);
       scale[b] = at.scale;
       shift[b] = at.shift;
     }
@@ -1796,18 +1836,14 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int r = r_part + r_first + (u0 + b) * kRowsPerPass;  // in the tile
-      const auto* em = reinterpret_cast<const T*>(&xm[b]);
-      const auto* el = reinterpret_cast<const T*>(&xl[b]);
-      const auto* er = reinterpret_cast<const T*>(&xr[b]);
-      std::uint32_t h[kV / 2];
+      std::uint32_t h[kV / 2];  // channels c0 + (j ^ flip), + 1 in h[j / 2]
 #pragma unroll
       for (int j = 0; j < kV; j += 2) {
         float v[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float conv = fmaf(wl[j + e], to_float(el[j + e]),
-                                  fmaf(wr[j + e], to_float(er[j + e]),
-                                       wm[j + e] * to_float(em[j + e])));
+          const float conv = fmaf(wl[j + e], xl[b][j + e],
+                                  fmaf(wr[j + e], xr[b][j + e], wm[j + e] * xm[b][j + e]));
           v[e] = fmaf(conv, scale[b], shift[b]);
         }
         h[j / 2] = pack_half2(v[0], v[1]);
@@ -1817,15 +1853,11 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
         auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
 #pragma unroll
         for (int j = 0; j < kV; j += 2) {
-          *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + j)) = h[j / 2];
+          *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
         }
       }
-      unsigned char* dst = a + swizzled_offset(r, c0 % 64);
-      if constexpr (kV == 8) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(h[0], h[1], h[2], h[3]);
-      } else {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(h[0], h[1]);
-      }
+      *reinterpret_cast<uint4*>(a + swizzled_offset(r, c0 % 64)) =
+          flip ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);
     }
   }
 }
@@ -1833,35 +1865,46 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
 template <typename T, int kC, bool kKeep>
 __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
                                             const float* conv_w, const float* mean,
-                                            const float* rstd, std::int64_t count, int t) {
-  constexpr int kV = kVec16<T>;
+                                            const float* rstd, int tiles, int t) {
+  constexpr int kV = kWsChannels;
   constexpr int kParts = kWgRows / kWsPartRows<T>;
-  const int lane = t % kWarpSize, warp = t / kWarpSize;
+  const int lane = t % kWarpSize, warp = t / kWarpSize, parts = tiles * kParts;
   // the first row of the plane of the block's part q (of tile q / kParts)
-  const auto part_first = [&](std::int64_t q) {
-    return (blockIdx.x + (q / kParts) * gridDim.x) * kWgRows + (q % kParts) * kWsPartRows<T>;
+  const auto part_first = [&](int q) {
+    return static_cast<int>(blockIdx.x + (q / kParts) * gridDim.x) * kWgRows +
+           (q % kParts) * kWsPartRows<T>;
   };
-  const std::int64_t parts = count * kParts;
+  // the thread's first row of the block's tile i
+  const auto cursor = [&](int i) {
+    return RowCursor(p, part_first(i * kParts) + t / (kC / kV), mean, rstd);
+  };
   if (warp == 0) {
     for (int q = 0; q < s.kXStages && q < parts; ++q) {
       issue_x_rows<T, kC>(p, s.x_slot(q), s.x_full + q, part_first(q), lane);
     }
   }
-  const int c0 = (t % (kC / kV)) * kV;
+  if (tiles == 0) return;
+  const int c0 = (t % (kC / kV)) * kV, flip = ws_channel_flip<T>(t);
   const std::uint32_t block_offset = (c0 / 64) * kATileBlockBytes;
-  float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels
-  load_vec<float, kV>(conv_w + c0, wl);
-  load_vec<float, kV>(conv_w + kC + c0, wm);
-  load_vec<float, kV>(conv_w + 2 * kC + c0, wr);
+  float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels, in its order
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    wl[k] = conv_w[c0 + (k ^ flip)];
+    wm[k] = conv_w[kC + c0 + (k ^ flip)];
+    wr[k] = conv_w[2 * kC + c0 + (k ^ flip)];
+  }
   const bool near = p.dilation <= kWsHalo;
   RingPosition xpos, apos;
-  for (std::int64_t i = 0; i < count; ++i) {
+  RowCursor next = cursor(0);
+  for (int i = 0; i < tiles; ++i) {
     unsigned char* a = s.a_slot(apos.slot) + block_offset;
-    RowCursor at(p, static_cast<int>(part_first(i * kParts)) + t / (kC / kV), mean, rstd);
+    RowCursor at = next;
+    if (i + 1 < tiles) next = cursor(i + 1);
+    at.ready();
     mbarrier_wait(s.a_empty + apos.slot, apos.phase ^ 1u);
 #pragma unroll 1
     for (int part = 0; part < kParts; ++part) {
-      const std::int64_t q = i * kParts + part;
+      const int q = i * kParts + part;
       T* xs = s.x_slot(xpos.slot);
       mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
       if (near) {
@@ -1987,9 +2030,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // mean and rstd are read, and out written (it may be x), from here on.
   wait_for_prerequisites();
 
-  const std::int64_t tiles = ceil_div(p.n * p.l, static_cast<std::int64_t>(kWgRows));
-  const std::int64_t count =
-      tiles > blockIdx.x ? ceil_div(tiles - blockIdx.x, static_cast<std::int64_t>(gridDim.x)) : 0;
+  // the block's tiles, in int (ws_fits keeps N L below INT_MAX - kWgRows)
+  const int tiles = static_cast<int>(ceil_div(p.n * p.l, static_cast<std::int64_t>(kWgRows)));
+  const int block = static_cast<int>(blockIdx.x);
+  const int count =
+      tiles > block ? static_cast<int>(ceil_div(tiles - block, static_cast<int>(gridDim.x))) : 0;
   const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
   if (wg == 0) {
     warpgroup_lower_registers<kWsProducerRegisters>();
