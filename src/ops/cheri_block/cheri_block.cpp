@@ -68,9 +68,9 @@ void check_conv_weight(const char* op, const char* arg, const TensorView& w, con
   check_weight_dtype_device(op, arg, w, x);
 }
 
-// linear1 [E C, C] and linear2 [C, E C]; returns E C (the hidden width, >= 1).
-std::int64_t check_linear_weights(const char* op, const CheriBlockWeights& w, const TensorView& x,
-                                  const Sizes& s) {
+// linear1 [E C, C] and linear2 [C, E C] (their data not looked at); returns E C (the hidden
+// width, >= 1).
+std::int64_t check_linear_shapes(const char* op, const CheriBlockWeights& w, const Sizes& s) {
   const TensorView& w1 = w.linear1_weight;
   FUSEKIT_CHECK(w1.ndim == 2, op, ": weights.linear1_weight has ", w1.ndim, " dims ",
                 w1.shape_string(), ", expected 2 dims [E C, C]");
@@ -80,7 +80,14 @@ std::int64_t check_linear_weights(const char* op, const CheriBlockWeights& w, co
   detail::check_shape(op, "weights.linear1_weight", w1, {{"E C", hidden}, {"C", s.c}});
   detail::check_shape(op, "weights.linear2_weight", w.linear2_weight,
                       {{"C", s.c}, {"E C", hidden}});
-  check_weight_dtype_device(op, "weights.linear1_weight", w1, x);
+  return hidden;
+}
+
+// The linear weights as above, each float32 or x's dtype, on x's device, with data.
+std::int64_t check_linear_weights(const char* op, const CheriBlockWeights& w, const TensorView& x,
+                                  const Sizes& s) {
+  const std::int64_t hidden = check_linear_shapes(op, w, s);
+  check_weight_dtype_device(op, "weights.linear1_weight", w.linear1_weight, x);
   check_weight_dtype_device(op, "weights.linear2_weight", w.linear2_weight, x);
   return hidden;
 }
@@ -243,16 +250,11 @@ std::int64_t cheri_block_saved_bytes(const TensorView& x, const CheriBlockWeight
                                      const CheriBlockOptions& options) {
   constexpr const char* kOp = "cheri_block_saved_bytes";
   const Sizes s = check_x_shape(kOp, x);
-  const TensorView& w1 = weights.linear1_weight;
-  FUSEKIT_CHECK(w1.ndim == 2, kOp, ": weights.linear1_weight has ", w1.ndim, " dims ",
-                w1.shape_string(), ", expected 2 dims [E C, C]");
-  detail::check_shape(kOp, "weights.linear1_weight", w1, {{"E C", w1.shape[0]}, {"C", s.c}});
-  detail::check_shape(kOp, "weights.linear2_weight", weights.linear2_weight,
-                      {{"C", s.c}, {"E C", w1.shape[0]}});
+  const std::int64_t hidden = check_linear_shapes(kOp, weights, s);
   check_block_options(kOp, options);
   if (x.device.kind != DeviceKind::CUDA || s.n == 0) return 0;
   detail::CheriBlockParams p = base_params(s, x, options.dilation, options.eps);
-  p.hidden = w1.shape[0];
+  p.hidden = hidden;
   p.allow_tf32 = options.allow_tf32;
   std::int64_t bytes = 0;
   detail::dispatch_device(

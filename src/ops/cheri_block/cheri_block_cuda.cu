@@ -1714,7 +1714,8 @@ __device__ __forceinline__ int ws_channel_flip(int t) {
 /// kWsChannels elements of x as they lie in memory, in the order of ws_channel_flip.
 template <typename T>
 struct XPiece {
-  uint4 raw[kWsChannels * sizeof(T) / 16];
+  static constexpr int kPieces = kWsChannels * sizeof(T) / 16;
+  uint4 raw[kPieces];
 
   __device__ __forceinline__ void load(const T* from, int flip) {
     constexpr int kPer = 16 / sizeof(T);
@@ -1726,7 +1727,6 @@ struct XPiece {
   __device__ __forceinline__ float operator[](int k) const {
     return to_float(reinterpret_cast<const T*>(raw)[k]);
   }
-  static constexpr int kPieces = kWsChannels * sizeof(T) / 16;
 };
 
 /// x at row `at` + `offset` of the plane (row r of the slot's part; `exists` false where that row
@@ -1848,12 +1848,15 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
         }
         h[j / 2] = pack_half2(v[0], v[1]);
       }
-      if (kKeep && plane_row[b] >= 0) {
+      if constexpr (kKeep) {
         // the training forward keeps y for the backward (saved_y), its columns in quad order
-        auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
+        if (plane_row[b] >= 0) {
+          auto* y =
+              static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
 #pragma unroll
-        for (int j = 0; j < kV; j += 2) {
-          *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
+          for (int j = 0; j < kV; j += 2) {
+            *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
+          }
         }
       }
       *reinterpret_cast<uint4*>(a + swizzled_offset(r, c0 % 64)) =
@@ -3332,10 +3335,14 @@ bool fused_fits(const CheriBlockParams& p, int device) {
               static_cast<std::size_t>(max_shared_memory_per_block(device)));
 }
 
+/// Which fused kernel took a call: none, the warp-specialised kernel (whose producer also writes
+/// the training forward's saved rows, p.saved_y, where set) or another.
+enum class Fused { kNone, kWarpSpecialised, kOther };
+
 /// The statistics pass and the fused kernel; p.mean and p.rstd are written where set (the
-/// training forward's).
+/// training forward's). Returns the kernel that ran.
 template <typename T, int kC>
-void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
+Fused inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
   const std::int64_t c = p.c, h = p.hidden;
   Carve carve;
   const std::size_t o_conv = carve.take(floats(3 * c)), o_w1 = carve.take(floats(h * c)),
@@ -3363,6 +3370,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
       launch_dependent(kernel, dim3(blocks), kWsThreads, ws_smem_bytes<T, kC>(h), device,
                        stream, p, conv_w, w1, w2, static_cast<const float*>(mean),
                        static_cast<const float*>(rstd));
+      return Fused::kWarpSpecialised;
     };
     static std::atomic<bool> allowed[2][kMaxDevices];
     if constexpr (std::is_same_v<T, float>) {
@@ -3388,6 +3396,7 @@ void inference_fused(const CheriBlockParams& p, int device, cudaStream_t stream)
                                                                      rstd);
     FUSEKIT_CUDA_CHECK_LAUNCH("cheri_inference_kernel");
   }
+  return Fused::kOther;
 }
 
 /// Whether the backward's front kernel for C = kC takes this call: float32 with TF32 allowed,
@@ -3418,13 +3427,6 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, out,
                                                                        row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
-}
-
-/// Whether the warp-specialised kernel takes the forward (try_fused).
-template <typename T>
-bool ws_takes(const CheriBlockParams& p, int device) {
-  return (fused_fits<T, 128>(p, device) && ws_fits<T, 128>(p, device)) ||
-         (fused_fits<T, 64>(p, device) && ws_fits<T, 64>(p, device));
 }
 
 /// Whether the training forward keeps y for the backward's front kernel at C = kC: the front
@@ -3620,17 +3622,12 @@ void block_backward(const CheriBlockParams& p, int device, cudaStream_t stream) 
   conv_norm_backward<T, float>(p, conv_w, dense(y, p), true, device, stream, nullptr);
 }
 
-/// Runs the statistics and a fused kernel when one takes the call (and returns true).
+/// Runs the statistics and a fused kernel when one takes the call; returns which one did.
 template <typename T>
-bool try_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
-  if (fused_fits<T, 128>(p, device)) {
-    inference_fused<T, 128>(p, device, stream);
-  } else if (fused_fits<T, 64>(p, device)) {
-    inference_fused<T, 64>(p, device, stream);
-  } else {
-    return false;
-  }
-  return true;
+Fused try_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
+  if (fused_fits<T, 128>(p, device)) return inference_fused<T, 128>(p, device, stream);
+  if (fused_fits<T, 64>(p, device)) return inference_fused<T, 64>(p, device, stream);
+  return Fused::kNone;
 }
 
 }  // namespace
@@ -3673,12 +3670,12 @@ void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream) {
     using T = typename CudaType<decltype(tag)::value>::type;
     // With TF32 allowed, float32 takes the fused kernel where it applies: its float16 operands
     // keep TF32's 10 bits of mantissa.
-    if (!(std::is_same_v<T, float> && use_tf32(p) && try_fused<T>(p, device, s))) {
-      block_forward<T>(p, use_tf32(p), device, s);
-    }
+    const Fused fused =
+        std::is_same_v<T, float> && use_tf32(p) ? try_fused<T>(p, device, s) : Fused::kNone;
+    if (fused == Fused::kNone) block_forward<T>(p, use_tf32(p), device, s);
     // The rows the backward's front kernel reads, where the warp-specialised kernel (whose
     // producer writes them as it builds its tiles) did not take the call.
-    if (p.saved_y != nullptr && !ws_takes<T>(p, device)) save_rows(p, device, s);
+    if (p.saved_y != nullptr && fused != Fused::kWarpSpecialised) save_rows(p, device, s);
   });
 }
 
@@ -3703,7 +3700,7 @@ void launch_cheri_block_inference(const CheriBlockParams& p, int device, Stream 
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
-    if (!try_fused<T>(p, device, s)) {
+    if (try_fused<T>(p, device, s) == Fused::kNone) {
       // The training forward's path, without keeping the statistics; TF32 products for float32.
       CheriBlockParams q = p;
       q.mean = {};
