@@ -207,6 +207,30 @@ INSTANTIATE_TEST_SUITE_P(Model, CheriCudaDilations,
                          ::testing::Values(1, 2, 4, 8, 16, 32, 64, 128, 256),
                          [](const auto& info) { return "d" + std::to_string(info.param); });
 
+// Every dilation whose taps the warp-specialised kernel finds in its x slots (d = 1 to 8), at
+// both of its Cs: where d divides a part's rows (1, 2, 4, 8), its producer walks the rows of a
+// part inside one example d rows apart, the other parts and dilations row by row; L = 150 gives
+// three examples, parts of both kinds and a partial last tile.
+class CheriCudaSlotDilations
+    : public CudaTest<::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t>>> {};
+
+TEST_P(CheriCudaSlotDilations, MatchesFloat64) {
+  const auto [channels, dilation] = GetParam();
+  for (DType dtype : kDtypes) {
+    const CheriCase c = with_dtype(CheriCase{3, 150, channels, 2, dilation}, dtype);
+    SCOPED_TRACE(cheri_case_name(c));
+    check_cuda_all(c, rng_);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WarpSpecialised, CheriCudaSlotDilations,
+                         ::testing::Combine(::testing::Values(64, 128),
+                                            ::testing::Range<std::int64_t>(1, 9)),
+                         [](const auto& info) {
+                           return "C" + std::to_string(std::get<0>(info.param)) + "_d" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
 // Every layout, with a vectorisable C (the layouts decide between vector and scalar access) and
 // the fused-inference Cs (at C = 128 half-precision x takes the warp-specialised kernel, whose
 // copies of x go a row at a time when the rows are not one range of memory).

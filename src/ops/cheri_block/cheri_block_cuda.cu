@@ -1597,7 +1597,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 //     A = conv + norm [64, C], float16 in the 128-byte-swizzled K-major layout, in a ring of
 //     kAStages A slots, and hand it over on the slot's full barrier. Taps outside the plane read
 //     a row of zeros; for d above kWsHalo, those past the part's rows (and no halo rows are
-//     copied) come from global memory.
+//     copied) come from global memory. In a part inside one example, with d of 1, 2, 4 or 8, a
+//     thread walks rows d apart and loads one row of x a row (ws_produce_interior_part).
 //   - Consumer k takes the block's tiles k, k + 2, ...: per 64 hidden columns h = A W1^T (both
 //     operands in shared memory), GELU(h) into registers, out += GELU(h) W2^T (A from registers).
 //     The chunks are software pipelined: h of two chunks in flight, so that the tensor cores run
@@ -1865,6 +1866,81 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
   }
 }
 
+/// A part's rows in chain order: the rows r with r % d == 0 in increasing order, then those with
+/// r % d == 1, and so on; rows next to each other in a chain are d apart and share two of their
+/// three taps. Where d divides the part's rows and each chain is a whole number of runs of kPasses
+/// rows, the thread's rows of a part (ws_produce_interior_part) are the run of its row lane
+/// (t / (kC / kWsChannels)): first, first + d, ..., first + (kPasses - 1) d; returns first, or -1
+/// for any other d (d > kWsHalo among them).
+template <typename T, int kC>
+__device__ __forceinline__ int ws_chain_first_row(std::int64_t d, int t) {
+  constexpr int kRows = kWsPartRows<T>, kGroups = kC / kWsChannels;
+  constexpr int kPasses = kRows / (kWgThreads / kGroups);
+  if (d > kWsHalo || kRows % d != 0 || (kRows / d) % kPasses != 0) return -1;
+  const int chain_rows = kRows / static_cast<int>(d), place = (t / kGroups) * kPasses;
+  return place / chain_rows + (place % chain_rows) * static_cast<int>(d);
+}
+
+/// ws_produce_part where the part and its taps lie inside one example and d allows chains
+/// (ws_chain_first_row gave `first`): no tap is zero and every row has the statistics of `at`.
+/// The thread walks its rows first, first + d, ...: it loads x of one row for each (the next
+/// row's right tap; its left and middle taps are this row's middle and right ones), issued before
+/// this row's arithmetic. `at` is at the thread's row lane's row of the part (as for
+/// ws_produce_part) and is left at the same row of the next part.
+template <typename T, int kC, bool kKeep>
+__device__ __forceinline__ void ws_produce_interior_part(
+    const CheriBlockParams& p, const T* xs, unsigned char* a, int part, RowCursor& at, int first,
+    const float* mean, const float* rstd, const float (&wl)[kWsChannels],
+    const float (&wm)[kWsChannels], const float (&wr)[kWsChannels], int t) {
+  constexpr int kV = kWsChannels, kGroups = kC / kV;
+  constexpr int kPasses = kWsPartRows<T> / (kWgThreads / kGroups);
+  const int c0 = (t % kGroups) * kV, flip = ws_channel_flip<T>(t);
+  int d = static_cast<int>(p.dilation);
+  if constexpr (sizeof(T) == 2) {
+    // Half-precision x: the rows' A offsets are computed again for every part (kept from one
+    // part to the next, they spill); float32 was faster keeping them.
+    asm volatile("" : "+r"(d));
+  }
+  const int r0 = part * kWsPartRows<T> + first;  // the thread's first row in the tile
+  // kKeep: the plane's row of the thread's first row (`at` is at row t / kGroups of the part)
+  [[maybe_unused]] const int plane_r0 = at.n * at.len + at.l - t / kGroups + first;
+  const T* row = xs + (kWsHalo + first) * kC + c0;  // x of the thread's first row, its channels
+  const float scale = at.scale, shift = at.shift;
+  XPiece<T> x[4];  // a ring: the taps of the thread's u-th row are x[u % 4] to x[(u + 2) % 4]
+  x[0].load(row - d * kC, flip);
+  x[1].load(row, flip);
+  x[2].load(row + d * kC, flip);
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) {
+    if (u + 1 < kPasses) x[(u + 3) % 4].load(row + (u + 2) * d * kC, flip);
+    const XPiece<T>& xl = x[u % 4];
+    const XPiece<T>& xm = x[(u + 1) % 4];
+    const XPiece<T>& xr = x[(u + 2) % 4];
+    std::uint32_t h[kV / 2];  // channels c0 + (j ^ flip), + 1 in h[j / 2]
+#pragma unroll
+    for (int j = 0; j < kV; j += 2) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float conv =
+            fmaf(wl[j + e], xl[j + e], fmaf(wr[j + e], xr[j + e], wm[j + e] * xm[j + e]));
+        v[e] = fmaf(conv, scale, shift);
+      }
+      h[j / 2] = pack_half2(v[0], v[1]);
+    }
+    if constexpr (kKeep) {
+      auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_r0 + u * d) * kC;
+#pragma unroll
+      for (int j = 0; j < kV; j += 2) {
+        *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
+      }
+    }
+    *reinterpret_cast<uint4*>(a + swizzled_offset(r0 + u * d, c0 % 64)) =
+        flip ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);
+  }
+  at.advance(kWsPartRows<T>, mean, rstd);
+}
+
 template <typename T, int kC, bool kKeep>
 __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsShared<T, kC>& s,
                                             const float* conv_w, const float* mean,
@@ -1877,10 +1953,13 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
     return static_cast<int>(blockIdx.x + (q / kParts) * gridDim.x) * kWgRows +
            (q % kParts) * kWsPartRows<T>;
   };
-  // the thread's first row of the block's tile i
+  // the thread's first row of the block's tile i (its row lane's, t / (kC / kV))
   const auto cursor = [&](int i) {
     return RowCursor(p, part_first(i * kParts) + t / (kC / kV), mean, rstd);
   };
+  const bool near = p.dilation <= kWsHalo;
+  // the thread's first row of a part inside one example, in chain order (-1: d allows none)
+  const int chain_first = ws_chain_first_row<T, kC>(p.dilation, t);
   if (warp == 0) {
     for (int q = 0; q < s.kXStages && q < parts; ++q) {
       issue_x_rows<T, kC>(p, s.x_slot(q), s.x_full + q, part_first(q), lane);
@@ -1896,7 +1975,6 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
     wm[k] = conv_w[kC + c0 + (k ^ flip)];
     wr[k] = conv_w[2 * kC + c0 + (k ^ flip)];
   }
-  const bool near = p.dilation <= kWsHalo;
   RingPosition xpos, apos;
   RowCursor next = cursor(0);
   for (int i = 0; i < tiles; ++i) {
@@ -1910,7 +1988,13 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
       const int q = i * kParts + part;
       T* xs = s.x_slot(xpos.slot);
       mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
-      if (near) {
+      // the part's row 0 in the example of the thread's row (below 0: in an example before)
+      const int start = at.l - t / (kC / kV);
+      const bool inside = start >= p.dilation && start + kWsPartRows<T> + p.dilation <= at.len;
+      if (chain_first >= 0 && at.live() && inside) {
+        ws_produce_interior_part<T, kC, kKeep>(p, xs, a, part, at, chain_first, mean, rstd, wl, wm,
+                                               wr, t);
+      } else if (near) {
         ws_produce_part<T, kC, true, kKeep>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr, t);
       } else {
         ws_produce_part<T, kC, false, kKeep>(p, s, xs, a, part, at, mean, rstd, wl, wm, wr,
