@@ -1791,6 +1791,45 @@ struct RowCursor {
   }
 };
 
+/// A producer thread's 8 channels of one row of A: conv = the taps' weights times x at the row
+/// d before (`xl`), at the row (`xm`) and d after (`xr`), then conv scale + shift in float16, into
+/// the A slot's block `a` at tile row `r`; kKeep: also, where `save`, into the saved rows at plane
+/// row `plane_row`, the columns in quad order.
+template <typename T, int kC, bool kKeep>
+__device__ __forceinline__ void ws_store_row(const CheriBlockParams& p, unsigned char* a, int r,
+                                             bool save, int plane_row, int c0, int flip,
+                                             const XPiece<T>& xl, const XPiece<T>& xm,
+                                             const XPiece<T>& xr, const float (&wl)[kWsChannels],
+                                             const float (&wm)[kWsChannels],
+                                             const float (&wr)[kWsChannels], float scale,
+                                             float shift) {
+  constexpr int kV = kWsChannels;
+  std::uint32_t h[kV / 2];  // channels c0 + (j ^ flip), + 1 in h[j / 2]
+#pragma unroll
+  for (int j = 0; j < kV; j += 2) {
+    float v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float conv =
+          fmaf(wl[j + e], xl[j + e], fmaf(wr[j + e], xr[j + e], wm[j + e] * xm[j + e]));
+      v[e] = fmaf(conv, scale, shift);
+    }
+    h[j / 2] = pack_half2(v[0], v[1]);
+  }
+  if constexpr (kKeep) {
+    // the training forward keeps y for the backward (saved_y), its columns in quad order
+    if (save) {
+      auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row) * kC;
+#pragma unroll
+      for (int j = 0; j < kV; j += 2) {
+        *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
+      }
+    }
+  }
+  *reinterpret_cast<uint4*>(a + swizzled_offset(r, c0 % 64)) =
+      flip ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 /// The producer's work on part `part` of a tile: A = conv + norm of the part's rows (in the x
 /// slot `xs`) into the A slot's block `a`, `at` at the thread's first row of the part (see
 /// ws_producer; kNear: d <= kWsHalo).
@@ -1837,31 +1876,9 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int r = r_part + r_first + (u0 + b) * kRowsPerPass;  // in the tile
-      std::uint32_t h[kV / 2];  // channels c0 + (j ^ flip), + 1 in h[j / 2]
-#pragma unroll
-      for (int j = 0; j < kV; j += 2) {
-        float v[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float conv = fmaf(wl[j + e], xl[b][j + e],
-                                  fmaf(wr[j + e], xr[b][j + e], wm[j + e] * xm[b][j + e]));
-          v[e] = fmaf(conv, scale[b], shift[b]);
-        }
-        h[j / 2] = pack_half2(v[0], v[1]);
-      }
-      if constexpr (kKeep) {
-        // the training forward keeps y for the backward (saved_y), its columns in quad order
-        if (plane_row[b] >= 0) {
-          auto* y =
-              static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_row[b]) * kC;
-#pragma unroll
-          for (int j = 0; j < kV; j += 2) {
-            *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
-          }
-        }
-      }
-      *reinterpret_cast<uint4*>(a + swizzled_offset(r, c0 % 64)) =
-          flip ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);
+      const bool save = kKeep && plane_row[b] >= 0;  // kKeep: rows past the plane are not saved
+      ws_store_row<T, kC, kKeep>(p, a, r, save, kKeep ? plane_row[b] : 0, c0, flip, xl[b], xm[b],
+                                 xr[b], wl, wm, wr, scale[b], shift[b]);
     }
   }
 }
@@ -1913,30 +1930,8 @@ __device__ __forceinline__ void ws_produce_interior_part(
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
     if (u + 1 < kPasses) x[(u + 3) % 4].load(row + (u + 2) * d * kC, flip);
-    const XPiece<T>& xl = x[u % 4];
-    const XPiece<T>& xm = x[(u + 1) % 4];
-    const XPiece<T>& xr = x[(u + 2) % 4];
-    std::uint32_t h[kV / 2];  // channels c0 + (j ^ flip), + 1 in h[j / 2]
-#pragma unroll
-    for (int j = 0; j < kV; j += 2) {
-      float v[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float conv =
-            fmaf(wl[j + e], xl[j + e], fmaf(wr[j + e], xr[j + e], wm[j + e] * xm[j + e]));
-        v[e] = fmaf(conv, scale, shift);
-      }
-      h[j / 2] = pack_half2(v[0], v[1]);
-    }
-    if constexpr (kKeep) {
-      auto* y = static_cast<__half*>(p.saved_y) + static_cast<std::int64_t>(plane_r0 + u * d) * kC;
-#pragma unroll
-      for (int j = 0; j < kV; j += 2) {
-        *reinterpret_cast<std::uint32_t*>(y + quad_order(c0 + (j ^ flip))) = h[j / 2];
-      }
-    }
-    *reinterpret_cast<uint4*>(a + swizzled_offset(r0 + u * d, c0 % 64)) =
-        flip ? make_uint4(h[2], h[3], h[0], h[1]) : make_uint4(h[0], h[1], h[2], h[3]);
+    ws_store_row<T, kC, kKeep>(p, a, r0 + u * d, true, plane_r0 + u * d, c0, flip, x[u % 4],
+                               x[(u + 1) % 4], x[(u + 2) % 4], wl, wm, wr, scale, shift);
   }
   at.advance(kWsPartRows<T>, mean, rstd);
 }
