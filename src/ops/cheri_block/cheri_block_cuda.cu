@@ -1703,6 +1703,12 @@ __device__ __forceinline__ void issue_x_rows(const CheriBlockParams& p, T* dst, 
 /// Channels of a row that a producer thread turns into A: 16 bytes of A in float16, one or two
 /// 16-byte pieces of x.
 constexpr int kWsChannels = 8;
+/// Producer threads a row (thread t takes channels (t % kWsGroups) kWsChannels on, in row lane
+/// t / kWsGroups), and the rows each thread builds in a part.
+template <int kC>
+constexpr int kWsGroups = kC / kWsChannels;
+template <typename T, int kC>
+constexpr int kWsPasses = kWsPartRows<T> / (kWgThreads / kWsGroups<kC>);
 
 /// The order of a producer thread's channels: a float32 thread whose lane % 8 is 4 or more
 /// takes the second 16-byte piece of its 8 channels first, so that the loads of a quarter of a
@@ -1841,14 +1847,13 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
                                                 const float (&wl)[kWsChannels],
                                                 const float (&wm)[kWsChannels],
                                                 const float (&wr)[kWsChannels], int t) {
-  constexpr int kV = kWsChannels;
-  constexpr int kGroups = kC / kV;                    // pieces a row
+  constexpr int kGroups = kWsGroups<kC>, kPasses = kWsPasses<T, kC>;
   constexpr int kRowsPerPass = kWgThreads / kGroups;  // rows the warpgroup covers at once
-  constexpr int kPasses = kWsPartRows<T> / kRowsPerPass;  // rows a thread covers in a part
   // rows whose loads are issued together (float32: a row's six 16-byte pieces)
   constexpr int kBatch = sizeof(T) == 4 ? 1 : 2;
   static_assert(kWgThreads % kGroups == 0 && kPasses % kBatch == 0, "whole rows per pass");
-  const int c0 = (t % kGroups) * kV, r_first = t / kGroups, flip = ws_channel_flip<T>(t);
+  const int c0 = (t % kGroups) * kWsChannels, r_first = t / kGroups;
+  const int flip = ws_channel_flip<T>(t);
   const int r_part = part * kWsPartRows<T>;  // the part's first row in the tile
   const std::int64_t d = p.dilation;
   // d in int where it is compared with a row (rows are below INT_MAX)
@@ -1887,14 +1892,13 @@ __device__ __forceinline__ void ws_produce_part(const CheriBlockParams& p,
 /// r % d == 1, and so on; rows next to each other in a chain are d apart and share two of their
 /// three taps. Where d divides the part's rows and each chain is a whole number of runs of kPasses
 /// rows, the thread's rows of a part (ws_produce_interior_part) are the run of its row lane
-/// (t / (kC / kWsChannels)): first, first + d, ..., first + (kPasses - 1) d; returns first, or -1
-/// for any other d (d > kWsHalo among them).
+/// (t / kWsGroups): first, first + d, ..., first + (kPasses - 1) d; returns first, or -1 for any
+/// other d (d > kWsHalo among them).
 template <typename T, int kC>
 __device__ __forceinline__ int ws_chain_first_row(std::int64_t d, int t) {
-  constexpr int kRows = kWsPartRows<T>, kGroups = kC / kWsChannels;
-  constexpr int kPasses = kRows / (kWgThreads / kGroups);
+  constexpr int kRows = kWsPartRows<T>, kPasses = kWsPasses<T, kC>;
   if (d > kWsHalo || kRows % d != 0 || (kRows / d) % kPasses != 0) return -1;
-  const int chain_rows = kRows / static_cast<int>(d), place = (t / kGroups) * kPasses;
+  const int chain_rows = kRows / static_cast<int>(d), place = (t / kWsGroups<kC>) * kPasses;
   return place / chain_rows + (place % chain_rows) * static_cast<int>(d);
 }
 
@@ -1909,9 +1913,8 @@ __device__ __forceinline__ void ws_produce_interior_part(
     const CheriBlockParams& p, const T* xs, unsigned char* a, int part, RowCursor& at, int first,
     const float* mean, const float* rstd, const float (&wl)[kWsChannels],
     const float (&wm)[kWsChannels], const float (&wr)[kWsChannels], int t) {
-  constexpr int kV = kWsChannels, kGroups = kC / kV;
-  constexpr int kPasses = kWsPartRows<T> / (kWgThreads / kGroups);
-  const int c0 = (t % kGroups) * kV, flip = ws_channel_flip<T>(t);
+  constexpr int kGroups = kWsGroups<kC>, kPasses = kWsPasses<T, kC>;
+  const int c0 = (t % kGroups) * kWsChannels, flip = ws_channel_flip<T>(t);
   int d = static_cast<int>(p.dilation);
   if constexpr (sizeof(T) == 2) {
     // Half-precision x: the rows' A offsets are computed again for every part (kept from one
@@ -1948,9 +1951,9 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
     return static_cast<int>(blockIdx.x + (q / kParts) * gridDim.x) * kWgRows +
            (q % kParts) * kWsPartRows<T>;
   };
-  // the thread's first row of the block's tile i (its row lane's, t / (kC / kV))
+  // the thread's first row of the block's tile i (its row lane's, t / kWsGroups)
   const auto cursor = [&](int i) {
-    return RowCursor(p, part_first(i * kParts) + t / (kC / kV), mean, rstd);
+    return RowCursor(p, part_first(i * kParts) + t / kWsGroups<kC>, mean, rstd);
   };
   const bool near = p.dilation <= kWsHalo;
   // the thread's first row of a part inside one example, in chain order (-1: d allows none)
@@ -1961,7 +1964,7 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
     }
   }
   if (tiles == 0) return;
-  const int c0 = (t % (kC / kV)) * kV, flip = ws_channel_flip<T>(t);
+  const int c0 = (t % kWsGroups<kC>) * kV, flip = ws_channel_flip<T>(t);
   const std::uint32_t block_offset = (c0 / 64) * kATileBlockBytes;
   float wl[kV], wm[kV], wr[kV];  // the taps of the thread's channels, in its order
 #pragma unroll
@@ -1984,7 +1987,7 @@ __device__ __forceinline__ void ws_producer(const CheriBlockParams& p, const WsS
       T* xs = s.x_slot(xpos.slot);
       mbarrier_wait(s.x_full + xpos.slot, xpos.phase);
       // the part's row 0 in the example of the thread's row (below 0: in an example before)
-      const int start = at.l - t / (kC / kV);
+      const int start = at.l - t / kWsGroups<kC>;
       const bool inside = start >= p.dilation && start + kWsPartRows<T> + p.dilation <= at.len;
       if (chain_first >= 0 && at.live() && inside) {
         ws_produce_interior_part<T, kC, kKeep>(p, xs, a, part, at, chain_first, mean, rstd, wl, wm,
