@@ -538,6 +538,54 @@ struct WgProduct {
                 std::size_t{2} * kBM * kOutPitch * sizeof(float) <= kStages * kStageBytes);
 };
 
+// GELU with the tanh approximation as h e / (1 + e), e = exp(2 u), u = sqrt(2 / pi) (h + 0.044715
+// h^3), through the hardware's exp2 and reciprocal (each within a few float32 ulps; exp2's argument
+// held at most 126, so that large h give h and very negative ones 0): five instructions where
+// expf and an IEEE division take some thirty, which matters in an epilogue whose code is fetched
+// from memory once per call (see above).
+__device__ __forceinline__ float gelu_tanh_fast(float h) {
+  constexpr float kTwoLog2e = 2.0f * 1.4426950408889634f;
+  constexpr float kScale = 0.7978845608028654f, kCubic = 0.044715f;
+  const float x = fminf(h * fmaf(kTwoLog2e * kScale * kCubic, h * h, kTwoLog2e * kScale), 126.0f);
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
+  return h * (e * s);
+}
+
+// The warpgroup product's last step: out[m0 + c, col .. col + 7] = GELU(staged + bias) for rows
+// c = first, first + 16, ... of the block's kBM, `src` the thread's 8 columns of staged row 0: a
+// warp writes 4 rows' 128-byte pieces a turn. A rolled loop, one per GELU, so that the code fetched
+// is a few cache lines; each turn's 8 GELUs are independent, so that their latencies overlap.
+template <typename T, int kBM, int kPitch, bool kTanh>
+__device__ __forceinline__ void store_gelu_rows(const ProductArgs& a, const float* src,
+                                                std::int64_t m0, std::int64_t col, int first,
+                                                const float (&bias)[8]) {
+  const auto act = [](float v) { return kTanh ? gelu_tanh_fast(v) : gelu(v, false); };
+  T* const out = static_cast<T*>(a.out);
+#pragma unroll 1
+  for (int c = first; c < kBM && m0 + c < a.m; c += 16) {
+    const float* const row = src + c * kPitch;
+    T* const dst = out + (m0 + c) * a.ld_out + col;
+    if (col + 8 <= a.n && is_aligned(dst, 16)) {
+      const float4 lo = *reinterpret_cast<const float4*>(row);
+      const float4 hi = *reinterpret_cast<const float4*>(row + 4);
+      float g[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) g[e] = act(g[e] + bias[e]);
+      store_vec<T, 8>(dst, g);
+    } else {
+      // a ragged edge: the bias read again rather than indexed at run time (which would put
+      // the registers above in local memory)
+      const T* const b = static_cast<const T*>(a.bias);
+#pragma unroll 1
+      for (int e = 0; e < 8 && col + e < a.n; ++e) {
+        dst[e] = from_float<T>(act(row[e] + (b != nullptr ? to_float(b[col + e]) : 0.0f)));
+      }
+    }
+  }
+}
+
 // The two consumer warpgroups of wg_product_gelu: the MMAs of every step, then the epilogue
 // (instantiated only where the kernel's body is compiled, for sm_90a).
 template <typename T, int kBM, int kChunks>
@@ -551,6 +599,16 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
   const std::uint64_t desc_w =
       swizzled_descriptor(slots + wg * 8 * C::kAtomStride, C::kAtomStride);
   const std::uint64_t desc_x = swizzled_descriptor(slots + C::kTileW);
+  // The epilogue gives a thread output columns 8 (lane % 8) .. + 7 of the warpgroup's 64: their
+  // bias is loaded now, so that its latency passes under the products.
+  const std::int64_t col = n0 + wg * 64 + 8 * (lane % 8);
+  float bias[8] = {};
+  if (a.bias != nullptr) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (col + e < a.n) bias[e] = to_float(static_cast<const T*>(a.bias)[col + e]);
+    }
+  }
   float acc[kBM / 2] = {};
   for (int step = 0; step < steps; ++step) {
     const int slot = step % C::kStages;
@@ -578,42 +636,26 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
   // warpgroup's 64 (an output column) and normalised row c = 8 j + 2 (lane % 4) + e % 2 (an
   // output row); the loop is unrolled, so that acc stays in registers.
   named_barrier_sync(1, 256);
-  const std::int64_t col0 = n0 + wg * 64;
   float* const staged = reinterpret_cast<float*>(slots) + wg * kBM * C::kOutPitch;
-  const T* bias = static_cast<const T*>(a.bias);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = 16 * (warp % 4) + lane / 4 + 8 * h;
-    const float b = bias && col0 + r < a.n ? to_float(bias[col0 + r]) : 0.0f;
 #pragma unroll
     for (int j = 0; j < kBM / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        staged[(8 * j + 2 * (lane % 4) + e) * C::kOutPitch + r] = acc[4 * j + 2 * h + e] + b;
+        staged[(8 * j + 2 * (lane % 4) + e) * C::kOutPitch + r] = acc[4 * j + 2 * h + e];
       }
     }
   }
   named_barrier_sync(2 + wg, 128);
-  // GELU once per element in a rolled loop (its code is fetched once), 8 columns of a row a turn.
-  T* const out = static_cast<T*>(a.out);
-#pragma unroll 1
-  for (int i = threadIdx.x % 128; i < kBM * 8; i += 128) {
-    const int c = i / 8, piece = i % 8;
-    const std::int64_t row = m0 + c, col = col0 + piece * 8;
-    if (row >= a.m || col >= a.n) continue;
-    const float* src = staged + c * C::kOutPitch + piece * 8;
-    T* dst = out + row * a.ld_out + col;
-    if (col + 8 <= a.n && is_aligned(dst, 16)) {
-      const float4 lo = *reinterpret_cast<const float4*>(src);
-      const float4 hi = *reinterpret_cast<const float4*>(src + 4);
-      float g[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int e = 0; e < 8; ++e) g[e] = gelu(g[e], a.tanh_gelu);
-      store_vec<T, 8>(dst, g);
-    } else {
-#pragma unroll 1
-      for (int e = 0; e < 8 && col + e < a.n; ++e) dst[e] = from_float<T>(gelu(src[e], a.tanh_gelu));
-    }
+  // Rows lane / 8 + 4 (warp % 4), + 16, ..., 8 columns a thread.
+  const float* const src = staged + 8 * (lane % 8);
+  const int first = lane / 8 + 4 * (warp % 4);
+  if (a.tanh_gelu) {
+    store_gelu_rows<T, kBM, C::kOutPitch, true>(a, src, m0, col, first, bias);
+  } else {
+    store_gelu_rows<T, kBM, C::kOutPitch, false>(a, src, m0, col, first, bias);
   }
 }
 
