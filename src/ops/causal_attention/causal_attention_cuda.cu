@@ -61,6 +61,7 @@ struct Args {
   int heads;                    // B * Hq
   bool vector_loads;            // q, k, v rows may be copied in 16-byte pieces
   bool vector_stores;           // out may be written in pairs of elements
+  bool piece_stores;            // out rows may be written in 16-byte pieces
 };
 
 // ------------------------------------------------------------------------------- loading
@@ -349,6 +350,49 @@ __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, i
   if (a.lse && t4 == 0) {
     float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
     *lse = real ? m * kLn2 + logf(l) : -INFINITY;
+  }
+}
+
+// The end of a warpgroup's 64 rows in the warpgroup kernel, where out takes 16-byte pieces: each
+// thread writes its rows' o / l (as store_row: zeros for padding rows and rows with no key, the
+// lse) into `staged` (64 rows of kD elements, the 16-byte pieces of row r in the order piece ^ (r
+// % 8), so that neither the writes nor the reads meet bank conflicts), and after the warpgroup's
+// barrier a rolled loop copies whole pieces to out: the code fetched after the products is a
+// few cache lines, where a copy of store_row per row and chunk is many.
+template <int kD, typename T, typename O>
+__device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, int h, int row0,
+                                                  int pad, unsigned char* staged, int barrier,
+                                                  const float (&l_part)[2], const float (&m)[2],
+                                                  const O& o) {
+  const int wg_tid = threadIdx.x % 128, g = (wg_tid % 32) / 4, t4 = wg_tid % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_part[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int local = 16 * (wg_tid / 32) + g + 8 * r, row = row0 + local;
+    const bool real = row >= pad && l > 0.0f;
+    const float inv = real ? 1.0f / l : 0.0f;
+    unsigned char* const dst = staged + local * kD * 2 + 4 * t4;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const float x0 = real ? o[4 * n + 2 * r] * inv : 0.0f;
+      const float x1 = real ? o[4 * n + 2 * r + 1] * inv : 0.0f;
+      *reinterpret_cast<std::uint32_t*>(dst + 16 * (n ^ g)) = HalfMma<T>::pack(x0, x1);
+    }
+    if (a.lse && t4 == 0 && row < a.t) {
+      float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
+      *lse = real ? m[r] * kLn2 + logf(l) : -INFINITY;
+    }
+  }
+  named_barrier_sync(barrier, 128);
+  constexpr int kPieces = kD / 8;
+#pragma unroll 1
+  for (int i = wg_tid; i < 64 * kPieces && row0 + i / kPieces < a.t; i += 128) {
+    const int local = i / kPieces, piece = i % kPieces;
+    const uint4 v =
+        *reinterpret_cast<const uint4*>(staged + local * kD * 2 + 16 * (piece ^ (local % 8)));
+    *reinterpret_cast<uint4*>(out + (row0 + local) * a.out_stride[2] + 8 * piece) = v;
   }
 }
 
@@ -888,6 +932,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 
   // Rows: out = o / l; padding rows (and rows with no key) zeros and an lse of -inf.
   T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
+  // Staged through the query tile's bytes, which only this warpgroup still reads (its own 64
+  // rows where one warpgroup has them, the merged rows after the split keys' barrier).
+  if ((C::kConsumers == 1 || C::kSplitKeys) && a.piece_stores) {
+    store_rows_staged<kD>(a, out, b, h, wg_row0, pad, base, 2, l_run, m_run, o);
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     store_row<kD / 8>(a, out, b, h, warp_row0 + g + 8 * r, pad, t4, l_run[r], m_run[r],
@@ -1088,6 +1138,7 @@ void launch_causal_attention(const CausalAttentionParams& p, int device, Stream 
                    aligned(p.v, 16) && strides_divisible(p.q_stride, piece) &&
                    strides_divisible(p.k_stride, piece) && strides_divisible(p.v_stride, piece);
   a.vector_stores = p.d % 2 == 0 && aligned(p.out, 2 * elem) && strides_divisible(p.out_stride, 2);
+  a.piece_stores = p.d % piece == 0 && aligned(p.out, 16) && strides_divisible(p.out_stride, piece);
 
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (p.kernel != AttentionKernel::MmaSync) {
