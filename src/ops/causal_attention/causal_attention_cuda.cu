@@ -323,6 +323,36 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
   }
 }
 
+// A row's sum of weights l from the parts of the four lanes of its quad (all four call it).
+__device__ __forceinline__ float quad_sum(float l_part) {
+  float l = l_part;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  return l;
+}
+
+// The end of one row's walk given its sum l: whether it takes weights (not a padding row, some
+// key) and then 1 / l, else 0.
+struct RowEnd {
+  float l;
+  bool real;
+  float inv;
+};
+__device__ __forceinline__ RowEnd end_row(float l, int row, int pad) {
+  const bool real = row >= pad && l > 0.0f;
+  return {l, real, real ? 1.0f / l : 0.0f};
+}
+
+// The lse of a row, by lane 0 of its quad (m in log2 units): -inf where it takes no weights.
+// Nothing where the caller asked for no lse, nor for rows at or past T (`below_t` false).
+__device__ __forceinline__ void store_lse(const Args& a, int b, int h, int row, bool below_t,
+                                          int t4, const RowEnd& e, float m) {
+  if (a.lse && t4 == 0 && below_t) {
+    float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
+    *lse = e.real ? m * kLn2 + logf(e.l) : -INFINITY;
+  }
+}
+
 // The end of one row's walk, by the four lanes of its quad: their parts of l summed, out = o / l
 // in columns 8 n + 2 t4 and 8 n + 2 t4 + 1 (those below D) for n < kChunks, and the lse;
 // padding rows and rows with no key get zeros and -inf. `o_pair(n, x)` gives the row's two
@@ -330,12 +360,9 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* dst, float a, float b,
 template <int kChunks, typename T, typename Pair>
 __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, int row, int pad,
                                           int t4, float l_part, float m, Pair o_pair) {
-  float l = l_part;
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  const float l = quad_sum(l_part);
   if (row >= a.t) return;
-  const bool real = row >= pad && l > 0.0f;
-  const float inv = real ? 1.0f / l : 0.0f;
+  const RowEnd e = end_row(l, row, pad);
   T* dst = out + row * a.out_stride[2];
 #pragma unroll
   for (int n = 0; n < kChunks; ++n) {
@@ -343,14 +370,11 @@ __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, i
     if (c < a.d) {
       float x[2];
       o_pair(n, x);
-      store_pair(dst + c, real ? x[0] * inv : 0.0f, real ? x[1] * inv : 0.0f, a.vector_stores,
-                 c + 1 < a.d);
+      store_pair(dst + c, e.real ? x[0] * e.inv : 0.0f, e.real ? x[1] * e.inv : 0.0f,
+                 a.vector_stores, c + 1 < a.d);
     }
   }
-  if (a.lse && t4 == 0) {
-    float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-    *lse = real ? m * kLn2 + logf(l) : -INFINITY;
-  }
+  store_lse(a, b, h, row, true, t4, e, m);  // rows at or past T returned above
 }
 
 // The end of a warpgroup's 64 rows in the warpgroup kernel, where out takes 16-byte pieces: each
@@ -367,23 +391,16 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
   const int wg_tid = threadIdx.x % 128, g = (wg_tid % 32) / 4, t4 = wg_tid % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float l = l_part[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int local = 16 * (wg_tid / 32) + g + 8 * r, row = row0 + local;
-    const bool real = row >= pad && l > 0.0f;
-    const float inv = real ? 1.0f / l : 0.0f;
+    const RowEnd e = end_row(quad_sum(l_part[r]), row, pad);
     unsigned char* const dst = staged + local * kD * 2 + 4 * t4;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
-      const float x0 = real ? o[4 * n + 2 * r] * inv : 0.0f;
-      const float x1 = real ? o[4 * n + 2 * r + 1] * inv : 0.0f;
+      const float x0 = e.real ? o[4 * n + 2 * r] * e.inv : 0.0f;
+      const float x1 = e.real ? o[4 * n + 2 * r + 1] * e.inv : 0.0f;
       *reinterpret_cast<std::uint32_t*>(dst + 16 * (n ^ g)) = HalfMma<T>::pack(x0, x1);
     }
-    if (a.lse && t4 == 0 && row < a.t) {
-      float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-      *lse = real ? m[r] * kLn2 + logf(l) : -INFINITY;
-    }
+    store_lse(a, b, h, row, row < a.t, t4, e, m[r]);
   }
   named_barrier_sync(barrier, 128);
   constexpr int kPieces = kD / 8;
