@@ -140,6 +140,10 @@ const LolaCase kProductCases[] = {
     // the weight), rows and columns past a tile.
     {{5}, 192, 300},
     {{40}, 320, 130, true, true, GeluApproximation::None},
+    // Rows of one value (no variance: rstd = 1 / sqrt(eps), the normalised rows 0) and a large
+    // negative mean, through every product.
+    {{33}, 512, 200, true, false, GeluApproximation::Tanh, 3.25, 0.0},
+    {{70}, 1024, 300, true, false, GeluApproximation::None, -100.0, 2.0},
 };
 
 class LolaCudaProducts
