@@ -31,6 +31,7 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
+#include "common/cuda_math.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_wgmma.cuh"
 #include "common/dispatch.h"
@@ -445,12 +446,6 @@ struct Config {
                 sizeof(float) * kMergeFloats * kGroupThreads <= sizeof(Bits) * kGroupKeys);
   static_assert(kStages >= 2);
 };
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // One row's step of the online softmax over a tile, by the four lanes of the quad that holds the
 // row: `score(n, e)` is this lane's score e (0 or 1) of chunk n < kChunks (a reference, replaced

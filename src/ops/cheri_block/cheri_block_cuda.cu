@@ -52,6 +52,7 @@
 
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
+#include "common/cuda_math.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_wgmma.cuh"
 #include "common/cuda_reduce.cuh"
@@ -195,21 +196,12 @@ __device__ __forceinline__ GeluAndGrad gelu_tanh_and_grad(float h) {
               0.5f * h * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * h * h)};
 }
 
-/// GELU(tanh) and GELU' from e = exp(2 u), u = sqrt(2 / pi) (h + 0.044715 h^3), through the
-/// hardware's exp2 and reciprocal (each within a few float32 ulps): with s = 1 / (1 + e) and
-/// p = e s (1 - s without its cancellation), GELU = h p and GELU' = p + 2 h s p u'. exp2's
-/// argument is held at most 126 so that e and s stay finite and normal (large h give h and 1).
-/// Some 13 instructions where tanhf takes about twice that.
+/// GELU(tanh) and GELU' from the parts of gelu_tanh_parts (s = 1 / (1 + e), p = e s, e =
+/// exp(2 u)): GELU = h p and GELU' = p + 2 h s p u' (large h give h and 1). Some 13 instructions
+/// where tanhf takes about twice that.
 __device__ __forceinline__ GeluAndGrad gelu_tanh_and_grad_fast(float h) {
-  constexpr float kTwoLog2e = 2.0f * 1.4426950408889634f;
-  const float h2 = h * h;
-  const float x = fminf(
-      h * fmaf(kTwoLog2e * kGeluScale * kGeluCubic, h2, kTwoLog2e * kGeluScale), 126.0f);
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
-  const float p = e * s;
-  const float du = fmaf(6.0f * kGeluCubic * kGeluScale, h2, 2.0f * kGeluScale);  // 2 u'
+  const auto [s, p] = gelu_tanh_parts(h);
+  const float du = fmaf(6.0f * kGeluCubic * kGeluScale, h * h, 2.0f * kGeluScale);  // 2 u'
   return {h * p, fmaf(h * s * p, du, p)};
 }
 

@@ -26,6 +26,7 @@
 
 #include "common/cublaslt.h"
 #include "common/cuda_check.h"
+#include "common/cuda_math.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_types.cuh"
@@ -538,30 +539,17 @@ struct WgProduct {
                 std::size_t{2} * kBM * kOutPitch * sizeof(float) <= kStages * kStageBytes);
 };
 
-// GELU with the tanh approximation as h e / (1 + e), e = exp(2 u), u = sqrt(2 / pi) (h + 0.044715
-// h^3), through the hardware's exp2 and reciprocal (each within a few float32 ulps; exp2's argument
-// held at most 126, so that large h give h and very negative ones 0): five instructions where
-// expf and an IEEE division take some thirty, which matters in an epilogue whose code is fetched
-// from memory once per call (see above).
-__device__ __forceinline__ float gelu_tanh_fast(float h) {
-  constexpr float kTwoLog2e = 2.0f * 1.4426950408889634f;
-  constexpr float kScale = 0.7978845608028654f, kCubic = 0.044715f;
-  const float x = fminf(h * fmaf(kTwoLog2e * kScale * kCubic, h * h, kTwoLog2e * kScale), 126.0f);
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.0f + e));
-  return h * (e * s);
-}
-
 // The warpgroup product's last step: out[m0 + c, col .. col + 7] = GELU(staged + bias) for rows
 // c = first, first + 16, ... of the block's kBM, `src` the thread's 8 columns of staged row 0: a
 // warp writes 4 rows' 128-byte pieces a turn. A rolled loop, one per GELU, so that the code fetched
-// is a few cache lines; each turn's 8 GELUs are independent, so that their latencies overlap.
+// is a few cache lines; each turn's 8 GELUs are independent, so that their latencies overlap. The
+// tanh GELU is gelu_tanh_exp2's five instructions, where expf and an IEEE division take some
+// thirty: code fetched from memory once per call (see above).
 template <typename T, int kBM, int kPitch, bool kTanh>
 __device__ __forceinline__ void store_gelu_rows(const ProductArgs& a, const float* src,
                                                 std::int64_t m0, std::int64_t col, int first,
                                                 const float (&bias)[8]) {
-  const auto act = [](float v) { return kTanh ? gelu_tanh_fast(v) : gelu(v, false); };
+  const auto act = [](float v) { return kTanh ? gelu_tanh_exp2(v) : gelu(v, false); };
   T* const out = static_cast<T*>(a.out);
 #pragma unroll 1
   for (int c = first; c < kBM && m0 + c < a.m; c += 16) {

@@ -31,6 +31,7 @@
 #include "common/cublaslt.h"
 #include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
+#include "common/cuda_math.cuh"
 #include "common/cuda_reduce.cuh"
 #include "common/cuda_mma.cuh"
 #include "common/cuda_types.cuh"
@@ -54,15 +55,6 @@ constexpr int kChunkD = 32;                       // hidden channels per project
 constexpr int kProjCols = kProjections * kChunkD; // weight rows per projection chunk
 constexpr int kProjNT = kProjections;             // n8 tiles per warp: one per projection
 constexpr int kCachedC = 24 * 32;                 // rows up to this long are held in registers
-
-// 1 / (1 + 2^(-v log2 e)): two special-function instructions, subnormals flushed (a gate below
-// 2^-126 is 0 in float16 anyway; 2^(-v log2 e) overflowing to infinity gives 0).
-__device__ __forceinline__ float sigmoid(float v) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(v * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return r;
-}
 
 template <typename T>
 __device__ __forceinline__ float load_weight(const TrimulWeight& w, std::int64_t i,
@@ -500,11 +492,11 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
             const int r = wm * 16 * MT + mt * 16 + (lane >> 2) + (e >> 1) * 8;
             const int dl = wn * 8 + 2 * (lane & 3) + (e & 1);
             const float mk = row_mask[r];
-            const float left = acc[mt][kLeftProj][e] * mk * sigmoid(acc[mt][kLeftGate][e]);
-            const float right = acc[mt][kRightProj][e] * mk * sigmoid(acc[mt][kRightGate][e]);
+            const float left = acc[mt][kLeftProj][e] * mk * fast_sigmoid(acc[mt][kLeftGate][e]);
+            const float right = acc[mt][kRightProj][e] * mk * fast_sigmoid(acc[mt][kRightGate][e]);
             stage_left[dl * (kRows + 8) + r] = __float2half_rn(left);
             stage_right[dl * (kRows + 8) + r] = __float2half_rn(right);
-            stage_gate[dl * (kRows + 8) + r] = __float2half_rn(sigmoid(acc[mt][kOutGate][e]));
+            stage_gate[dl * (kRows + 8) + r] = __float2half_rn(fast_sigmoid(acc[mt][kOutGate][e]));
           }
         }
         __syncthreads();
@@ -770,11 +762,11 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
         for (int q = 0; q < 4; ++q) {  // block 2 pair + q / 2, rows 8 (q % 2) on
           const int cb = 2 * pair + q / 2, h = q % 2;
           const auto at = [&](int proj, int e) { return acc[4 * (4 * proj + cb) + 2 * h + e]; };
-          left[q] = pack_half2(at(kLeftProj, 0) * mk[h] * sigmoid(at(kLeftGate, 0)),
-                               at(kLeftProj, 1) * mk[h] * sigmoid(at(kLeftGate, 1)));
-          right[q] = pack_half2(at(kRightProj, 0) * mk[h] * sigmoid(at(kRightGate, 0)),
-                                at(kRightProj, 1) * mk[h] * sigmoid(at(kRightGate, 1)));
-          gate[q] = pack_half2(sigmoid(at(kOutGate, 0)), sigmoid(at(kOutGate, 1)));
+          left[q] = pack_half2(at(kLeftProj, 0) * mk[h] * fast_sigmoid(at(kLeftGate, 0)),
+                               at(kLeftProj, 1) * mk[h] * fast_sigmoid(at(kLeftGate, 1)));
+          right[q] = pack_half2(at(kRightProj, 0) * mk[h] * fast_sigmoid(at(kRightGate, 0)),
+                                at(kRightProj, 1) * mk[h] * fast_sigmoid(at(kRightGate, 1)));
+          gate[q] = pack_half2(fast_sigmoid(at(kOutGate, 0)), fast_sigmoid(at(kOutGate, 1)));
         }
         const int q = lane / 8, ch = 8 * (2 * pair + q / 2) + lane % 8;
         const int offset = ch * 64 + ((2 * warp + q % 2) ^ (ch & 7)) * 8;  // halves
