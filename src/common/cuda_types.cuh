@@ -45,18 +45,35 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <typename T>
 inline constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
 
+/// The kVec16<T> elements of T in a 16-byte piece, as floats at v[0 .. kVec16<T> - 1].
+template <typename T>
+__device__ __forceinline__ void unpack16(uint4 raw, float* v) {
+  union {
+    uint4 raw;
+    T e[kVec16<T>];
+  } u{raw};
+#pragma unroll
+  for (int k = 0; k < kVec16<T>; ++k) v[k] = to_float(u.e[k]);
+}
+
+/// kVec16<T> floats at v, rounded to T, as one 16-byte piece.
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* v) {
+  union {
+    uint4 raw;
+    T e[kVec16<T>];
+  } u;
+#pragma unroll
+  for (int k = 0; k < kVec16<T>; ++k) u.e[k] = from_float<T>(v[k]);
+  return u.raw;
+}
+
 /// Loads VEC consecutive elements as floats: one 16-byte streaming load when VEC == kVec16<T>
 /// (the address must be 16-byte aligned), else VEC scalar loads.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_floats(const T* p, float (&v)[VEC]) {
   if constexpr (VEC * sizeof(T) == 16) {
-    union {
-      uint4 raw;
-      T e[VEC];
-    } u;
-    u.raw = __ldcs(reinterpret_cast<const uint4*>(p));
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) v[k] = to_float(u.e[k]);
+    unpack16<T>(__ldcs(reinterpret_cast<const uint4*>(p)), v);
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) v[k] = to_float(p[k]);
@@ -67,13 +84,7 @@ __device__ __forceinline__ void load_floats(const T* p, float (&v)[VEC]) {
 template <typename T, int VEC>
 __device__ __forceinline__ void store_floats(T* p, const float (&v)[VEC]) {
   if constexpr (VEC * sizeof(T) == 16) {
-    union {
-      uint4 raw;
-      T e[VEC];
-    } u;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) u.e[k] = from_float<T>(v[k]);
-    __stcs(reinterpret_cast<uint4*>(p), u.raw);
+    __stcs(reinterpret_cast<uint4*>(p), pack16<T>(v));
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) p[k] = from_float<T>(v[k]);
@@ -100,13 +111,7 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
 template <typename T, int VEC>
 __device__ __forceinline__ void load_shared_floats(const void* p, float (&v)[VEC]) {
   static_assert(VEC * sizeof(T) == 16, "one 16-byte access");
-  union {
-    uint4 raw;
-    T e[VEC];
-  } u;
-  u.raw = *static_cast<const uint4*>(p);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) v[k] = to_float(u.e[k]);
+  unpack16<T>(*static_cast<const uint4*>(p), v);
 }
 
 __host__ __device__ inline bool is_aligned(const void* p, std::size_t bytes) {

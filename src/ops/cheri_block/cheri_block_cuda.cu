@@ -105,13 +105,7 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
     constexpr int kPer = 16 / static_cast<int>(sizeof(T));
 #pragma unroll
     for (int piece = 0; piece < kBytes / 16; ++piece) {
-      union {
-        uint4 raw;
-        T e[kPer];
-      } u;
-      u.raw = __ldg(reinterpret_cast<const uint4*>(p) + piece);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) v[piece * kPer + k] = to_float(u.e[k]);
+      unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p) + piece), v + piece * kPer);
     }
   } else {
 #pragma unroll
@@ -126,13 +120,7 @@ __device__ __forceinline__ void load_shared_vec(const T* p, float (&v)[V]) {
   static_assert(V % kPer == 0, "whole 16-byte pieces");
 #pragma unroll
   for (int piece = 0; piece < V / kPer; ++piece) {
-    union {
-      uint4 raw;
-      T e[kPer];
-    } u;
-    u.raw = reinterpret_cast<const uint4*>(p)[piece];
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) v[piece * kPer + k] = to_float(u.e[k]);
+    unpack16<T>(reinterpret_cast<const uint4*>(p)[piece], v + piece * kPer);
   }
 }
 
@@ -143,13 +131,7 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
     constexpr int kPer = 16 / static_cast<int>(sizeof(T));
 #pragma unroll
     for (int piece = 0; piece < kBytes / 16; ++piece) {
-      union {
-        uint4 raw;
-        T e[kPer];
-      } u;
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) u.e[k] = from_float<T>(v[piece * kPer + k]);
-      reinterpret_cast<uint4*>(p)[piece] = u.raw;
+      reinterpret_cast<uint4*>(p)[piece] = pack16<T>(v + piece * kPer);
     }
   } else {
 #pragma unroll

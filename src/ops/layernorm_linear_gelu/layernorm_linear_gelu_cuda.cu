@@ -75,25 +75,14 @@ __device__ __forceinline__ float load_param(const void* p, bool is_f32, std::int
 // 16 bytes of T as floats, through L1 (the row is read three times).
 template <typename T>
 __device__ __forceinline__ void load_row_vec(const T* p, float (&v)[kVec16<T>]) {
-  union {
-    uint4 raw;
-    T e[kVec16<T>];
-  } u;
-  u.raw = __ldg(reinterpret_cast<const uint4*>(p));
-#pragma unroll
-  for (int i = 0; i < kVec16<T>; ++i) v[i] = to_float(u.e[i]);
+  unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p)), v);
 }
 
 // floats as 16 bytes of T, through the cache (the matrix product reads them next).
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
-  union {
-    uint4 raw;
-    T e[V];
-  } u;
-#pragma unroll
-  for (int i = 0; i < V; ++i) u.e[i] = from_float<T>(v[i]);
-  *reinterpret_cast<uint4*>(p) = u.raw;
+  static_assert(V == kVec16<T>, "one 16-byte piece");
+  *reinterpret_cast<uint4*>(p) = pack16<T>(v);
 }
 
 // The code of these kernels is small on purpose (rolled loops, one copy of each step): the
