@@ -102,7 +102,7 @@ template <typename T, int V>
 __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
   constexpr int kBytes = V * static_cast<int>(sizeof(T));
   if constexpr (V > 1 && kBytes % 16 == 0) {
-    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+    constexpr int kPer = kVec16<T>;
 #pragma unroll
     for (int piece = 0; piece < kBytes / 16; ++piece) {
       unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p) + piece), v + piece * kPer);
@@ -116,7 +116,7 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
 /// load_vec from shared memory (16-byte pieces; V fills whole pieces).
 template <typename T, int V>
 __device__ __forceinline__ void load_shared_vec(const T* p, float (&v)[V]) {
-  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPer = kVec16<T>;
   static_assert(V % kPer == 0, "whole 16-byte pieces");
 #pragma unroll
   for (int piece = 0; piece < V / kPer; ++piece) {
@@ -128,7 +128,7 @@ template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
   constexpr int kBytes = V * static_cast<int>(sizeof(T));
   if constexpr (V > 1 && kBytes % 16 == 0) {
-    constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+    constexpr int kPer = kVec16<T>;
 #pragma unroll
     for (int piece = 0; piece < kBytes / 16; ++piece) {
       reinterpret_cast<uint4*>(p)[piece] = pack16<T>(v + piece * kPer);
