@@ -139,6 +139,19 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
   }
 }
 
+/// store_vec of whole 16-byte pieces as evict-first (streaming) stores: for outputs that nothing
+/// in the kernel reads again, so that their lines are the first to leave L2 and what is still to
+/// be read stays.
+template <typename T, int V>
+__device__ __forceinline__ void store_vec_streaming(T* p, const float (&v)[V]) {
+  constexpr int kPer = kVec16<T>;
+  static_assert(V % kPer == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int piece = 0; piece < V / kPer; ++piece) {
+    __stcs(reinterpret_cast<uint4*>(p) + piece, pack16<T>(v + piece * kPer));
+  }
+}
+
 __device__ __forceinline__ float load_weight(const CheriMatrix& m, std::int64_t r,
                                              std::int64_t c) {
   const std::int64_t off = r * m.stride[0] + c * m.stride[1];
@@ -1418,7 +1431,8 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
 /// consecutive columns 8 (4 m + q) .. + 7 of its row for every m and x and out move in 16-byte
 /// pieces. A row's x (an L2 hit: the tile was just read) is loaded whole before its stores, so
 /// that the loads overlap; interleaved with the stores, which the compiler may not move them
-/// past, each would wait for L2 alone.
+/// past, each would wait for L2 alone. out is stored evict-first, so that its lines leave L2
+/// before the x rows that later tiles' epilogues still read (bench/NOTES.md).
 template <typename T, int kC>
 __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, PlaneRow first,
                                                     int t, const float (&acc)[kC / 2]) {
@@ -1475,7 +1489,7 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
         o[2 * e] = xv[m][2 * e] + p.residual_scale * v[h2][m][e].x;
         o[2 * e + 1] = xv[m][2 * e + 1] + p.residual_scale * v[h2][m][e].y;
       }
-      store_vec<T, 8>(dst + 8 * (4 * m + q), o);
+      store_vec_streaming<T, 8>(dst + 8 * (4 * m + q), o);
     }
   }
 }
