@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(kFewWarps * 32) few_rows_gemm_gelu(ProductArgs
 #pragma unroll
     for (int group = 1; group < C::kGroupsK; ++group) v += sums[(group * C::kRowsA + row) * C::kBN + col];
     if (bias) v += to_float(bias[n]);
-    out[row * a.ld_out + n] = from_float<T>(gelu(v, a.tanh_gelu));
+    out[row * a.ld_out + n] = from_float<T>(a.tanh_gelu ? gelu_tanh_exp2(v) : gelu(v, false));
   }
 }
 
