@@ -80,11 +80,17 @@ __device__ __forceinline__ void load_floats(const T* p, float (&v)[VEC]) {
   }
 }
 
-/// Stores VEC floats, rounded to T, the way load_floats reads them.
+/// Stores VEC floats, rounded to T: whole 16-byte pieces when VEC elements fill them (the address
+/// must then be 16-byte aligned), else one element at a time. The pieces are evict-first
+/// (streaming) stores, for outputs that nothing reads again soon: their lines are the first to
+/// leave L2, and what is still to be read stays.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_floats(T* p, const float (&v)[VEC]) {
-  if constexpr (VEC * sizeof(T) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), pack16<T>(v));
+  if constexpr (VEC * sizeof(T) % 16 == 0) {
+#pragma unroll
+    for (int piece = 0; piece < VEC / kVec16<T>; ++piece) {
+      __stcs(reinterpret_cast<uint4*>(p) + piece, pack16<T>(v + piece * kVec16<T>));
+    }
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) p[k] = from_float<T>(v[k]);
@@ -107,11 +113,14 @@ __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* p, floa
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
-/// Reads VEC elements (16 bytes) from shared memory as floats.
+/// Reads VEC elements, whole 16-byte pieces, from shared memory as floats.
 template <typename T, int VEC>
 __device__ __forceinline__ void load_shared_floats(const void* p, float (&v)[VEC]) {
-  static_assert(VEC * sizeof(T) == 16, "one 16-byte access");
-  unpack16<T>(*static_cast<const uint4*>(p), v);
+  static_assert(VEC * sizeof(T) % 16 == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int piece = 0; piece < VEC / kVec16<T>; ++piece) {
+    unpack16<T>(static_cast<const uint4*>(p)[piece], v + piece * kVec16<T>);
+  }
 }
 
 __host__ __device__ inline bool is_aligned(const void* p, std::size_t bytes) {

@@ -113,17 +113,6 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
   }
 }
 
-/// load_vec from shared memory (16-byte pieces; V fills whole pieces).
-template <typename T, int V>
-__device__ __forceinline__ void load_shared_vec(const T* p, float (&v)[V]) {
-  constexpr int kPer = kVec16<T>;
-  static_assert(V % kPer == 0, "whole 16-byte pieces");
-#pragma unroll
-  for (int piece = 0; piece < V / kPer; ++piece) {
-    unpack16<T>(reinterpret_cast<const uint4*>(p)[piece], v + piece * kPer);
-  }
-}
-
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
   constexpr int kBytes = V * static_cast<int>(sizeof(T));
@@ -136,19 +125,6 @@ __device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) p[k] = from_float<T>(v[k]);
-  }
-}
-
-/// store_vec of whole 16-byte pieces as evict-first (streaming) stores: for outputs that nothing
-/// in the kernel reads again, so that their lines are the first to leave L2 and what is still to
-/// be read stays.
-template <typename T, int V>
-__device__ __forceinline__ void store_vec_streaming(T* p, const float (&v)[V]) {
-  constexpr int kPer = kVec16<T>;
-  static_assert(V % kPer == 0, "whole 16-byte pieces");
-#pragma unroll
-  for (int piece = 0; piece < V / kPer; ++piece) {
-    __stcs(reinterpret_cast<uint4*>(p) + piece, pack16<T>(v + piece * kPer));
   }
 }
 
@@ -460,9 +436,9 @@ __global__ void __launch_bounds__(kThreads, kStatsStagedBlocks)
         const std::int64_t l = lo + r - 1;
         const int left = l >= d ? r - hd : 0, right = l + d < p.l ? r + hd : 0;
         float xl[V], xm[V], xr[V];
-        load_shared_vec<T, V>(xs + r * cc + c0, xm);
-        load_shared_vec<T, V>(xs + left * cc + c0, xl);
-        load_shared_vec<T, V>(xs + right * cc + c0, xr);
+        load_shared_floats<T, V>(xs + r * cc + c0, xm);
+        load_shared_floats<T, V>(xs + left * cc + c0, xl);
+        load_shared_floats<T, V>(xs + right * cc + c0, xr);
         sums.add_padded_row(wl, wm, wr, xl, xm, xr);
       }
     }
@@ -877,16 +853,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (active) {
     for (std::int64_t l = dlo + first; l < dhi; l += b.lanes) {
       float xv[V], conv[V], g[V];
-      load_shared_vec<T, V>(x_row(l), xv);
+      load_shared_floats<T, V>(x_row(l), xv);
 #pragma unroll
       for (int k = 0; k < V; ++k) conv[k] = w1[k] * xv[k];
       if (l >= d) {
-        load_shared_vec<T, V>(x_row(l - d), xv);
+        load_shared_floats<T, V>(x_row(l - d), xv);
 #pragma unroll
         for (int k = 0; k < V; ++k) conv[k] += w0[k] * xv[k];
       }
       if (l + d < p.l) {
-        load_shared_vec<T, V>(x_row(l + d), xv);
+        load_shared_floats<T, V>(x_row(l + d), xv);
 #pragma unroll
         for (int k = 0; k < V; ++k) conv[k] += w2[k] * xv[k];
       }
@@ -902,7 +878,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           g[k + 1] = v.y * unscale;
         }
       } else {
-        load_shared_vec<float, V>(dc_row(l), g);
+        load_shared_floats<float, V>(dc_row(l), g);
       }
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -920,16 +896,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   // grad_x of row l (plus `residual`, grad_out there) and the row's share of the weight gradient
   const auto row_grad = [&](std::int64_t l, const float (&residual)[V]) {
     float mid[V], side[V], gx[V], xv[V];
-    load_shared_vec<float, V>(dc_row(l), mid);
+    load_shared_floats<float, V>(dc_row(l), mid);
 #pragma unroll
     for (int k = 0; k < V; ++k) gx[k] = w1[k] * mid[k];
     if (l + d < p.l) {
-      load_shared_vec<float, V>(dc_row(l + d), side);
+      load_shared_floats<float, V>(dc_row(l + d), side);
 #pragma unroll
       for (int k = 0; k < V; ++k) gx[k] += w0[k] * side[k];
     }
     if (l >= d) {
-      load_shared_vec<float, V>(dc_row(l - d), side);
+      load_shared_floats<float, V>(dc_row(l - d), side);
 #pragma unroll
       for (int k = 0; k < V; ++k) gx[k] += w2[k] * side[k];
     }
@@ -938,16 +914,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int k = 0; k < V; ++k) gx[k] += residual[k];
     }
     store_vec<T, V>(out_row_of<T>(p.grad_x, b.n, l) + c0, gx);
-    load_shared_vec<T, V>(x_row(l), xv);
+    load_shared_floats<T, V>(x_row(l), xv);
 #pragma unroll
     for (int k = 0; k < V; ++k) gw[1][k] += mid[k] * xv[k];
     if (l >= d) {
-      load_shared_vec<T, V>(x_row(l - d), xv);
+      load_shared_floats<T, V>(x_row(l - d), xv);
 #pragma unroll
       for (int k = 0; k < V; ++k) gw[0][k] += mid[k] * xv[k];
     }
     if (l + d < p.l) {
-      load_shared_vec<T, V>(x_row(l + d), xv);
+      load_shared_floats<T, V>(x_row(l + d), xv);
 #pragma unroll
       for (int k = 0; k < V; ++k) gw[2][k] += mid[k] * xv[k];
     }
@@ -1481,7 +1457,7 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
         o[2 * e] = xv[m][2 * e] + p.residual_scale * v[h2][m][e].x;
         o[2 * e + 1] = xv[m][2 * e + 1] + p.residual_scale * v[h2][m][e].y;
       }
-      store_vec_streaming<T, 8>(dst + 8 * (4 * m + q), o);
+      store_floats<T, 8>(dst + 8 * (4 * m + q), o);
     }
   }
 }
