@@ -80,6 +80,36 @@ __device__ __forceinline__ void load_floats(const T* p, float (&v)[VEC]) {
   }
 }
 
+/// V consecutive elements as floats, through L1 (read-only path): whole 16-byte pieces when V
+/// elements fill them (the address must then be 16-byte aligned), else one element at a time.
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
+  if constexpr (V > 1 && V * sizeof(T) % 16 == 0) {
+#pragma unroll
+    for (int piece = 0; piece < V / kVec16<T>; ++piece) {
+      unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p) + piece), v + piece * kVec16<T>);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = to_float(p[k]);
+  }
+}
+
+/// V floats, rounded to T, as load_vec reads them, by ordinary stores (cached: for outputs read
+/// again soon).
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
+  if constexpr (V > 1 && V * sizeof(T) % 16 == 0) {
+#pragma unroll
+    for (int piece = 0; piece < V / kVec16<T>; ++piece) {
+      reinterpret_cast<uint4*>(p)[piece] = pack16<T>(v + piece * kVec16<T>);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = from_float<T>(v[k]);
+  }
+}
+
 /// Stores VEC floats, rounded to T: whole 16-byte pieces when VEC elements fill them (the address
 /// must then be 16-byte aligned), else one element at a time. The pieces are evict-first
 /// (streaming) stores, for outputs that nothing reads again soon: their lines are the first to

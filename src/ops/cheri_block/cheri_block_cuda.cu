@@ -96,38 +96,6 @@ __device__ __forceinline__ T* out_row_of(const CheriActivation& a, std::int64_t 
   return static_cast<T*>(a.data) + n * a.stride[0] + l * a.stride[1];
 }
 
-/// V consecutive elements as floats: 16-byte loads when V elements fill whole 16-byte pieces
-/// (the address must then be 16-byte aligned), else one element at a time.
-template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* p, float (&v)[V]) {
-  constexpr int kBytes = V * static_cast<int>(sizeof(T));
-  if constexpr (V > 1 && kBytes % 16 == 0) {
-    constexpr int kPer = kVec16<T>;
-#pragma unroll
-    for (int piece = 0; piece < kBytes / 16; ++piece) {
-      unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p) + piece), v + piece * kPer);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = to_float(p[k]);
-  }
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
-  constexpr int kBytes = V * static_cast<int>(sizeof(T));
-  if constexpr (V > 1 && kBytes % 16 == 0) {
-    constexpr int kPer = kVec16<T>;
-#pragma unroll
-    for (int piece = 0; piece < kBytes / 16; ++piece) {
-      reinterpret_cast<uint4*>(p)[piece] = pack16<T>(v + piece * kPer);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < V; ++k) p[k] = from_float<T>(v[k]);
-  }
-}
-
 __device__ __forceinline__ float load_weight(const CheriMatrix& m, std::int64_t r,
                                              std::int64_t c) {
   const std::int64_t off = r * m.stride[0] + c * m.stride[1];

@@ -72,19 +72,6 @@ __device__ __forceinline__ float load_param(const void* p, bool is_f32, std::int
                 : to_float(static_cast<const T*>(p)[i * stride]);
 }
 
-// 16 bytes of T as floats, through L1 (the row is read three times).
-template <typename T>
-__device__ __forceinline__ void load_row_vec(const T* p, float (&v)[kVec16<T>]) {
-  unpack16<T>(__ldg(reinterpret_cast<const uint4*>(p)), v);
-}
-
-// floats as 16 bytes of T, through the cache (the matrix product reads them next).
-template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* p, const float (&v)[V]) {
-  static_assert(V == kVec16<T>, "one 16-byte piece");
-  *reinterpret_cast<uint4*>(p) = pack16<T>(v);
-}
-
 // The code of these kernels is small on purpose (rolled loops, one copy of each step): the
 // benchmarks run them after the weights or an L2 flush have swept their code out of the caches,
 // and code then arrives from memory at about one cache line (8 instructions) per 200 cycles. The
@@ -125,7 +112,7 @@ __global__ void __launch_bounds__(256) layernorm_row_block(LayerNormArgs a) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const std::int64_t q = (r * 256 + threadIdx.x) * V;
-    if (q < a.k) load_row_vec<T>(x + q, v[r]);
+    if (q < a.k) load_vec<T, kVec16<T>>(x + q, v[r]);
   }
   // The sums run on x - x[0]: exact for values near x[0] (within a factor 2), and of the size of
   // the deviations, so a mean far from 0 costs no digits of the variance or of x - mean.
@@ -182,7 +169,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
 #pragma unroll 4
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_row_vec<T>(x + q, v);
+    load_vec<T, kVec16<T>>(x + q, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) sum += v[i] - shift;
   }
@@ -194,7 +181,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
 #pragma unroll 1
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_row_vec<T>(x + q, v);
+    load_vec<T, kVec16<T>>(x + q, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) sq += (v[i] - shift - mean) * (v[i] - shift - mean);
   }
@@ -209,7 +196,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) layernorm_rows(LayerNormAr
 #pragma unroll 1
   for (std::int64_t q = lane * V; q < k_vec; q += 32 * V) {
     float v[V];
-    load_row_vec<T>(x + q, v);
+    load_vec<T, kVec16<T>>(x + q, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = normalise(v[i], q + i);
     store_vec<T, V>(dst + q, v);
