@@ -27,6 +27,14 @@ namespace fusekit::detail {
 #define FUSEKIT_WGMMA 1
 #endif
 
+/// v as lane 0 holds it, through a shuffle, which the compiler knows gives every lane the same
+/// value: what derives from it (a warp's shared-memory slots, its MMA descriptors) is then
+/// computed once a warp in the uniform registers the MMAs read descriptors from, rather than in
+/// every lane and moved over one register at a time. For values the same in every lane that the
+/// compiler cannot see to be (threadIdx.x / 32, counters of loops it takes as divergent). Call
+/// with the whole warp.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
 /// Byte offset of element (row, k) in a 128-byte-swizzled K-major block of 2-byte elements.
 __host__ __device__ constexpr std::uint32_t swizzled_offset(int row, int k) {
   return static_cast<std::uint32_t>(row) * 128 +

@@ -762,7 +762,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   std::uint64_t* const empty = full_v + kStages;
   auto key_tile = [&](int slot) { return base + C::kQueryBytes + slot * 2 * C::kTileBytes; };
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x % 32;
   // Longest first: the block index runs over (query tile from the last, sequence and head).
   const int tile = a.query_tiles - 1 - static_cast<int>(blockIdx.x / a.heads);
   const int bh = static_cast<int>(blockIdx.x % a.heads);

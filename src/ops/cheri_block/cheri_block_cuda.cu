@@ -1452,7 +1452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
   __syncthreads();
 
-  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  const int wg = warp_uniform(threadIdx.x / 32) / 4, t = threadIdx.x % kWgThreads;
   T* xs = xs_all + wg * kWgRows * kLdX;
   const std::uint64_t w1_desc = swizzled_descriptor(w1s), w2_desc = swizzled_descriptor(w2s);
   const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
@@ -2044,7 +2044,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int block = static_cast<int>(blockIdx.x);
   const int count =
       tiles > block ? static_cast<int>(ceil_div(tiles - block, static_cast<int>(gridDim.x))) : 0;
-  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  const int wg = warp_uniform(threadIdx.x / 32) / 4, t = threadIdx.x % kWgThreads;
   if (wg == 0) {
     warpgroup_lower_registers<kWsProducerRegisters>();
     ws_producer<T, kC, kKeep>(p, s, conv_w, mean, rstd, count, t);
@@ -2208,7 +2208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The products read the weights rounded to float16: their norms grow by at most 2^-11.
   const float w1_norm = norms[0] * 1.001f, w2_norm = norms[1] * 1.001f;
 
-  const int wg = threadIdx.x / kWgThreads, t = threadIdx.x % kWgThreads;
+  const int wg = warp_uniform(threadIdx.x / 32) / 4, t = threadIdx.x % kWgThreads;
   const int lane = t % kWarpSize, g = lane / 4, q = lane % 4, r0 = 16 * (t / kWarpSize);
   T* xs = xs_all + wg * kWgRows * kLdX;
   const std::uint64_t w1_desc = swizzled_descriptor(w1s), w2_desc = swizzled_descriptor(w2s);
@@ -2498,8 +2498,8 @@ __global__ void __launch_bounds__(kGradThreads, 1)
   extern __shared__ unsigned char grad_raw[];
   unsigned char* const stages = grad_raw + (1024 - shared_address(grad_raw) % 1024) % 1024;
   unsigned char* const w1s = stages + kStages * S::kStageBytes;  // kDy: [NB / 64][MA][64]
-  const int t = threadIdx.x, wg = t / kWgThreads, lane = t % kWarpSize;
-  const int wq = (t % kWgThreads) / kWarpSize;  // the warp's place in its warpgroup
+  const int t = threadIdx.x, warp = warp_uniform(t / kWarpSize), lane = t % kWarpSize;
+  const int wg = warp / 4, wq = warp % 4;  // wq: the warp's place in its warpgroup
   const int g = lane / 4, q = lane % 4;
   const std::int64_t tiles = ceil_div(rows, static_cast<std::int64_t>(kWgRows));
   const std::int64_t per = tiles / gridDim.x, extra = tiles % gridDim.x;

@@ -557,7 +557,7 @@ __device__ __forceinline__ void consume(const ProductArgs& a, unsigned char* slo
                                        std::uint64_t* empty, std::int64_t n0, std::int64_t m0,
                                        int steps) {
   using C = WgProduct<kBM, kChunks>;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x % 32;
   // A consumer warpgroup: weight rows 64 wg .. 64 wg + 63 of the block's.
   const int wg = warp / 4;
   const std::uint64_t desc_w =
@@ -634,7 +634,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       (reinterpret_cast<std::uintptr_t>(shared_raw) + 1023) & ~std::uintptr_t{1023});
   auto* const full = reinterpret_cast<std::uint64_t*>(slots + C::kStages * C::kStageBytes);
   auto* const empty = full + C::kStages;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x % 32;
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * kWgRowsW;
   const std::int64_t m0 = static_cast<std::int64_t>(blockIdx.y) * kBM;
   const int steps = static_cast<int>((a.k + C::kStepK - 1) / C::kStepK);

@@ -657,7 +657,8 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
                                                    const CUtensorMap& left_map,
                                                    const CUtensorMap& right_map,
                                                    const CUtensorMap& gate_map) {
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int wg = warp_uniform(threadIdx.x / 32) / 4;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   unsigned char* const a_tile = base + l.a(wg);
   const std::uint64_t desc_a = swizzled_descriptor(a_tile);
   const std::uint64_t desc_w = swizzled_descriptor(base + l.w(0));
@@ -730,11 +731,13 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       for (int kb = 0; kb < kbs; ++kb) {
         mbarrier_wait(&w_full[w_at.slot], w_at.phase);
         wgmma_fence();
+        // (through warp_uniform: as they are, the descriptors below are built in every lane)
+        const int kbu = warp_uniform(kb), slot = warp_uniform(w_at.slot);
 #pragma unroll
         for (int k16 = 0; k16 < kWgStepK / 16; ++k16) {
           wgmma_ss<__half, kWgChunkCols>(
-              acc, advance_descriptor(desc_a, kb * (64 * 128) + k16 * 32),
-              advance_descriptor(desc_w, w_at.slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
+              acc, advance_descriptor(desc_a, kbu * (64 * 128) + k16 * 32),
+              advance_descriptor(desc_w, slot * kWgSlotBytes + k16 * 32), kb > 0 || k16 > 0);
         }
         wgmma_commit();
         if (pass_turn && kb == kbs - 1) named_barrier_arrive(next_turn, 256);
@@ -824,7 +827,7 @@ __global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
   auto* const w_empty = w_full + l.w_stages;
   auto* const x_full = w_empty + l.w_stages;
   auto* const x_empty = x_full + l.x_stages;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x % 32;
   if (threadIdx.x == 128 * kWgs) {
     for (int s = 0; s < l.w_stages; ++s) {
       mbarrier_init(&w_full[s], 1);
