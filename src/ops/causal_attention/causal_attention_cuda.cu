@@ -452,9 +452,16 @@ struct Config {
 // by its exponential). Updates the running max m (log2 units, the scale folded in) and this
 // lane's part of the running sum l, and returns the factor the row's output must take. Max and
 // sum run in kPartial independent chains (a power of two), so that their latencies overlap.
-template <int kChunks, int kPartial, typename Score>
+// With kLazy the running max moves only where the tile's exceeds it by more than
+// kLazyRescaleLog2, and `moved` is then set: below that the exponentials are taken against the
+// old max (values up to 2^kLazyRescaleLog2, which float32 sums and half-precision P hold at
+// their full relative precision) and the factor is exactly 1, so that a warp none of whose rows
+// moved can skip its output's rescale.
+constexpr float kLazyRescaleLog2 = 8.0f;
+
+template <int kChunks, int kPartial, bool kLazy = false, typename Score>
 __device__ __forceinline__ float softmax_row(Score score, float scale_log2, float& m_run,
-                                             float& l_run) {
+                                             float& l_run, bool* moved = nullptr) {
   static_assert(kPartial >= 1 && (kPartial & (kPartial - 1)) == 0);
   float part[kPartial];
 #pragma unroll
@@ -471,7 +478,12 @@ __device__ __forceinline__ float softmax_row(Score score, float scale_log2, floa
   float mx = part[0];
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(m_run, mx * scale_log2);
+  float m_new = fmaxf(m_run, mx * scale_log2);
+  if constexpr (kLazy) {
+    const bool move = m_new > m_run + kLazyRescaleLog2;  // always from -inf, to a finite max
+    m_new = move ? m_new : m_run;
+    *moved = *moved || move;
+  }
   const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
   const float alpha = fast_exp2(m_run - m_use);
   m_run = m_new;
@@ -866,16 +878,21 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           }
         }
 
-        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3).
+        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3); the output is
+        // rescaled only where a row of the warp moved its max (softmax_row's kLazy).
+        float alpha[2];
+        bool moved = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float alpha = softmax_row<kBlockN / 8, 4>(
+          alpha[r] = softmax_row<kBlockN / 8, 4, true>(
               [&](int n, int e) -> float& { return s[4 * n + 2 * r + e]; }, a.scale_log2,
-              m_run[r], l_run[r]);
+              m_run[r], l_run[r], &moved);
+        }
+        if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
           for (int n = 0; n < kD / 8; ++n) {
-            o[4 * n + 2 * r] *= alpha;
-            o[4 * n + 2 * r + 1] *= alpha;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[4 * n + e] *= alpha[e / 2];
           }
         }
 
