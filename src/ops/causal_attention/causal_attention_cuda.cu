@@ -462,13 +462,14 @@ constexpr float kLazyRescaleLog2 = 8.0f;
 template <int kChunks, int kPartial, bool kLazy = false, typename Score>
 __device__ __forceinline__ float softmax_row(Score score, float scale_log2, float& m_run,
                                              float& l_run, bool* moved = nullptr) {
-  static_assert(kPartial >= 1 && (kPartial & (kPartial - 1)) == 0);
+  static_assert(kPartial >= 1 && (kPartial & (kPartial - 1)) == 0 && kChunks >= kPartial);
+  // The chains start from their first values, not from -inf and 0: fmaxf(-inf, v) and 0 + v
+  // are instructions the compiler may not drop (NaN, -0).
   float part[kPartial];
 #pragma unroll
-  for (int x = 0; x < kPartial; ++x) part[x] = -INFINITY;
-#pragma unroll
   for (int n = 0; n < kChunks; ++n) {
-    part[n % kPartial] = fmaxf(part[n % kPartial], fmaxf(score(n, 0), score(n, 1)));
+    const float v = fmaxf(score(n, 0), score(n, 1));
+    part[n % kPartial] = n < kPartial ? v : fmaxf(part[n % kPartial], v);
   }
 #pragma unroll
   for (int w = kPartial / 2; w >= 1; w /= 2) {
@@ -488,14 +489,12 @@ __device__ __forceinline__ float softmax_row(Score score, float scale_log2, floa
   const float alpha = fast_exp2(m_run - m_use);
   m_run = m_new;
 #pragma unroll
-  for (int x = 0; x < kPartial; ++x) part[x] = 0.0f;
-#pragma unroll
   for (int n = 0; n < kChunks; ++n) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       float& v = score(n, e);
       v = fast_exp2(fmaf(v, scale_log2, -m_use));
-      part[n % kPartial] += v;
+      part[n % kPartial] = n < kPartial && e == 0 ? v : part[n % kPartial] + v;
     }
   }
 #pragma unroll
