@@ -1121,6 +1121,38 @@ __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16]
   }
 }
 
+/// 2 sqrt(2 / pi) GELU(h / sqrt(2 / pi)) = h (1 + tanh(h (1 + 0.044715 h^2 / (2 / pi)))) of two
+/// values (lo in the low half) in float16 arithmetic, for products whose first weight carries the
+/// factor sqrt(2 / pi) and whose second carries its inverse over 2 (stage_swizzled's scale), one
+/// multiply a pair fewer.
+__device__ __forceinline__ std::uint32_t gelu_scaled_half2(float lo, float hi) {
+  constexpr std::uint32_t kCubic = 0x2c7f2c7fu;  // 0.044715 / (2 / pi)
+  constexpr std::uint32_t kOne = 0x3c003c00u;
+  std::uint32_t h, r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %2, %1;" : "=r"(h) : "f"(lo), "f"(hi));
+  asm("{\n"
+      " .reg .b32 s, c;\n"
+      " mul.rn.f16x2 s, %1, %1;\n"     // h^2
+      " fma.rn.f16x2 c, s, %2, %3;\n"  // 1 + c h^2
+      " mul.rn.f16x2 s, %1, c;\n"      // u
+      " tanh.approx.f16x2 c, s;\n"     // tanh u
+      " fma.rn.f16x2 %0, %1, c, %1;\n" // h (1 + tanh u)
+      "}"
+      : "=r"(r)
+      : "r"(h), "r"(kCubic), "r"(kOne));
+  return r;
+}
+
+/// gelu_scaled_half2 of an m16n8 accumulator pair (columns 16 kk .. 16 kk + 15) as a k16 A
+/// fragment.
+__device__ __forceinline__ void gelu_scaled_fragment(std::uint32_t (&a)[4], const float* lo,
+                                                     const float* hi) {
+  a[0] = gelu_scaled_half2(lo[0], lo[1]);
+  a[1] = gelu_scaled_half2(lo[2], lo[3]);
+  a[2] = gelu_scaled_half2(hi[0], hi[1]);
+  a[3] = gelu_scaled_half2(hi[2], hi[3]);
+}
+
 /// GELU(h) of an m16n8 accumulator pair (columns 16 kk .. 16 kk + 15) as a k16 A fragment.
 template <bool kApprox = false>
 __device__ __forceinline__ void gelu_fragment(std::uint32_t (&a)[4], const float* lo,
@@ -1360,6 +1392,14 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
   cp_async_commit();
 }
 
+/// p, hidden from the optimiser: offsets added to it afterwards stay immediates of the accesses
+/// rather than 64-bit additions of their own.
+template <typename P>
+__device__ __forceinline__ P* opaque(P* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 /// out = x + residual_scale * acc for a warpgroup's tile of kWgRows rows from `first`: lane
 /// (g, q) of warp w (thread t of the warpgroup) holds rows 16 w + g (+ 8), columns
 /// 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]. The four lanes of a row first swap their
@@ -1412,11 +1452,11 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
-    const T* x = row_of<T>(p.x, rows[h2].n, rows[h2].l);
+    const T* x = opaque(row_of<T>(p.x, rows[h2].n, rows[h2].l) + 8 * q);
     float xv[kGroups][8];
 #pragma unroll
-    for (int m = 0; m < kGroups; ++m) load_vec<T, 8>(x + 8 * (4 * m + q), xv[m]);
-    T* dst = out_row_of<T>(p.out, rows[h2].n, rows[h2].l);
+    for (int m = 0; m < kGroups; ++m) load_vec<T, 8>(x + 32 * m, xv[m]);
+    T* dst = opaque(out_row_of<T>(p.out, rows[h2].n, rows[h2].l) + 8 * q);
 #pragma unroll
     for (int m = 0; m < kGroups; ++m) {
       float o[8];
@@ -1425,7 +1465,7 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
         o[2 * e] = xv[m][2 * e] + p.residual_scale * v[h2][m][e].x;
         o[2 * e + 1] = xv[m][2 * e + 1] + p.residual_scale * v[h2][m][e].y;
       }
-      store_floats<T, 8>(dst + 8 * (4 * m + q), o);
+      store_floats<T, 8>(dst + 32 * m, o);
     }
   }
 }
@@ -1942,7 +1982,7 @@ __device__ __forceinline__ void ws_consumer(const CheriBlockParams& p, const WsS
   const int hidden = kWsHidden<kC>;
   const std::uint64_t w1_desc = swizzled_descriptor(s.w1), w2_desc = swizzled_descriptor(s.w2);
   const auto w1_block = static_cast<std::uint32_t>(hidden) * 128;  // bytes per 64 k of linear1
-  const std::int64_t len = p.l;
+  const int len = static_cast<int>(p.l);
   RingPosition apos;
   apos.advance(k, s.kAStages);
   for (std::int64_t i = k; i < count; i += 2) {
@@ -1969,7 +2009,7 @@ __device__ __forceinline__ void ws_consumer(const CheriBlockParams& p, const WsS
       wgmma_fence_operands(h);
 #pragma unroll
       for (int kk = 0; kk < kWgHidden / 16; ++kk) {
-        gelu_fragment<true>(g[kk], h + 8 * kk, h + 8 * kk + 4);
+        gelu_scaled_fragment(g[kk], h + 8 * kk, h + 8 * kk + 4);
       }
     };
     const auto gemm2 = [&](std::uint32_t (&g)[kWgHidden / 16][4], int chunk) {
@@ -2007,7 +2047,8 @@ __device__ __forceinline__ void ws_consumer(const CheriBlockParams& p, const WsS
     gemm2(g1, kChunks - 1);
     wgmma_wait<0>();
     wgmma_fence_operands(acc2);
-    store_residual_rows<T, kC>(p, {tile * kWgRows / len, tile * kWgRows % len}, t, acc2);
+    const int row0 = static_cast<int>(tile) * kWgRows;  // ws_fits keeps N L in int
+    store_residual_rows<T, kC>(p, {row0 / len, row0 % len}, t, acc2);
     apos.advance(2, s.kAStages);
   }
 }
@@ -2022,8 +2063,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int hidden = static_cast<int>(p.hidden);
   extern __shared__ unsigned char smem_raw[];
   const WsShared<T, kC> s(smem_raw, hidden);
-  stage_swizzled(w1, hidden, kC, s.w1);
-  stage_swizzled(w2, kC, hidden, s.w2);
+  stage_swizzled(w1, hidden, kC, s.w1, kGeluScale);  // gelu_scaled_half2's factors
+  stage_swizzled(w2, kC, hidden, s.w2, 0.5f / kGeluScale);
   for (int i = threadIdx.x; i < kC; i += kWsThreads) s.zero[i] = from_float<T>(0.0f);
   if (threadIdx.x == 0) {
     for (int i = 0; i < s.kXStages; ++i) mbarrier_init(s.x_full + i, 1);
