@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fusekit/fusekit.h"
@@ -74,9 +76,10 @@ inline void expect_untouched(const DeviceTensor& t, const std::string& what) {
                          << " were written";
 }
 
-/// The nodes of a captured graph by kind: kernels, and stream-ordered allocations and frees.
+/// The nodes of a captured graph: all, and by kind kernels and stream-ordered allocations and
+/// frees.
 struct GraphNodeCounts {
-  int kernels = 0, allocs = 0, frees = 0;
+  int total = 0, kernels = 0, allocs = 0, frees = 0;
 };
 
 /// Counts the nodes of `graph` into `counts` (call through ASSERT_NO_FATAL_FAILURE).
@@ -85,6 +88,7 @@ inline void count_graph_nodes(cudaGraph_t graph, GraphNodeCounts& counts) {
   ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
   std::vector<cudaGraphNode_t> nodes(count);
   ASSERT_CUDA(cudaGraphGetNodes(graph, nodes.data(), &count));
+  counts.total = static_cast<int>(count);
   for (cudaGraphNode_t node : nodes) {
     cudaGraphNodeType type{};
     ASSERT_CUDA(cudaGraphNodeGetType(node, &type));
@@ -105,6 +109,46 @@ class OwnStream {
   fusekit::Stream stream() const { return fusekit::Stream{stream_}; }
 
  private:
+  cudaStream_t stream_ = nullptr;
+};
+
+/// What `enqueue` puts on a stream, captured into a graph, instantiated at its first replay;
+/// both are destroyed with this, whatever the test's assertions did.
+class CapturedGraph {
+ public:
+  CapturedGraph() = default;
+  ~CapturedGraph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+
+  /// Captures `enqueue` on `stream` (see capture_graph; call through ASSERT_NO_FATAL_FAILURE).
+  template <typename Enqueue>
+  void capture(cudaStream_t stream, Enqueue&& enqueue) {
+    stream_ = stream;
+    capture_graph(stream, &graph_, std::forward<Enqueue>(enqueue));
+  }
+
+  /// The graph's nodes (call through ASSERT_NO_FATAL_FAILURE).
+  void count_nodes(GraphNodeCounts& counts) const { count_graph_nodes(graph_, counts); }
+
+  /// Poisons `outputs` first, so that the replay must write every element again, then launches
+  /// the graph on the stream it was captured on and waits for it (call through
+  /// ASSERT_NO_FATAL_FAILURE).
+  void replay(std::initializer_list<DeviceTensor*> outputs = {}) {
+    if (exec_ == nullptr) ASSERT_CUDA(cudaGraphInstantiate(&exec_, graph_, 0));
+    for (DeviceTensor* t : outputs) t->buffer.fill_bytes(0xff);
+    expect_device_ok();  // the poison (legacy stream) is in place: the stream does not wait
+    ASSERT_CUDA(cudaGraphLaunch(exec_, stream_));
+    ASSERT_CUDA(cudaStreamSynchronize(stream_));
+    expect_device_ok();
+  }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
   cudaStream_t stream_ = nullptr;
 };
 

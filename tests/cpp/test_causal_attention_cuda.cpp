@@ -451,22 +451,15 @@ TEST_F(AttentionCudaMisc, CapturedBeforeAnyDirectCallOfItsShape) {
   const AttentionTensors t = upload_attention(in, c, kCuda);
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_attention(t, c, fusekit::Stream{s.get()}); }));
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
-  expect_device_ok();
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_attention(t, c, s.stream()); }));
+  ASSERT_NO_FATAL_FAILURE(graph.replay());
   run_attention(direct, c);
   expect_device_ok();
   expect_only_view_written(t.out, "out of the replay");
   expect_only_view_written(t.lse, "lse of the replay");
   expect_same_outputs(t, direct, "of the replay against a direct call made after it");
   expect_attention_cuda_close(download_attention(t, c), attention_float64(in, c), in.n_padd, c);
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 // ------------------------------------------------------------------------------------ padding
@@ -581,13 +574,11 @@ TEST_F(AttentionCudaMisc, EmptyInputsWriteNothing) {
     expect_untouched(t.lse, "lse");
 
     OwnStream s;
-    cudaGraph_t graph = nullptr;
-    ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_attention(t, c, fusekit::Stream{s.get()}); }));
-    std::size_t nodes = 0;
-    ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
-    EXPECT_EQ(nodes, 0u) << "an empty call enqueued work";
-    ASSERT_CUDA(cudaGraphDestroy(graph));
+    CapturedGraph graph;
+    ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_attention(t, c, s.stream()); }));
+    GraphNodeCounts nodes;
+    ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
+    EXPECT_EQ(nodes.total, 0) << "an empty call enqueued work";
   }
 }
 
@@ -663,29 +654,18 @@ TEST_P(AttentionCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
 
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_attention(t, c, fusekit::Stream{s.get()}); }));
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_attention(t, c, s.stream()); }));
   expect_untouched(t.out, "out after the capture (nothing runs while capturing)");
 
   GraphNodeCounts nodes;
-  ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));
+  ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
   EXPECT_GT(nodes.kernels, 0) << "no kernel was captured";
   EXPECT_EQ(nodes.allocs, nodes.frees) << "every workspace taken in the graph is given back in it";
 
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  auto replay = [&] {
-    t.out.buffer.fill_bytes(0xff);  // fresh poison: every replay writes every element again
-    t.lse.buffer.fill_bytes(0xff);
-    expect_device_ok();  // the poison (legacy stream) is in place: s does not wait
-    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
-    expect_device_ok();
-  };
   for (int i = 0; i < 2; ++i) {
     SCOPED_TRACE("replay " + std::to_string(i));
-    ASSERT_NO_FATAL_FAILURE(replay());
+    ASSERT_NO_FATAL_FAILURE(graph.replay({&t.out, &t.lse}));
     expect_same_outputs(t, direct, "of the replay against the direct call");
   }
   expect_attention_cuda_close(download_attention(t, c), attention_float64(in, c), in.n_padd, c);
@@ -697,14 +677,12 @@ TEST_P(AttentionCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
   t.counts.buffer.copy_from_host(counts.data(), counts.size() * sizeof(std::int32_t));
   {
     SCOPED_TRACE("replay with other counts");
-    ASSERT_NO_FATAL_FAILURE(replay());
+    ASSERT_NO_FATAL_FAILURE(graph.replay({&t.out, &t.lse}));
     expect_only_view_written(t.out, "out");
     expect_only_view_written(t.lse, "lse");
     expect_attention_cuda_close(download_attention(t, c), attention_float64(repadded, c),
                                 repadded.n_padd, c);
   }
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 INSTANTIATE_TEST_SUITE_P(All, AttentionCudaGraph, ::testing::ValuesIn(kPrecisions),

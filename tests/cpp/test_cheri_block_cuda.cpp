@@ -610,8 +610,8 @@ TEST_P(CheriCudaGraph, CapturedCallsReplayBitwiseAsDirectCalls) {
 
   OwnStream s;
   const fusekit::Stream stream = s.stream();
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] {
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] {
     fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options(), stream);
     fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view,
                                   t.weights(), t.mean_in.view, t.rstd_in.view, c.block_options(),
@@ -619,18 +619,10 @@ TEST_P(CheriCudaGraph, CapturedCallsReplayBitwiseAsDirectCalls) {
     fusekit::dilated_conv_norm(t.out.view, t.mean.view, t.rstd.view, t.x.view,
                                t.conv_weight.view, c.conv_options(), stream);
   }));
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    for (DeviceTensor* o : {&t.out, &t.mean, &t.rstd, &t.grad_x, &t.grad_conv_weight,
-                                  &t.grad_linear1, &t.grad_linear2}) {
-      o->buffer.fill_bytes(0xff);
-    }
-    expect_device_ok();
-    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
-    expect_device_ok();
+    ASSERT_NO_FATAL_FAILURE(graph.replay({&t.out, &t.mean, &t.rstd, &t.grad_x,
+                                          &t.grad_conv_weight, &t.grad_linear1, &t.grad_linear2}));
     expect_same_bytes(t.out, direct.out, "y");
     expect_same_bytes(t.mean, direct.mean, "mean");
     expect_same_bytes(t.rstd, direct.rstd, "rstd");
@@ -639,8 +631,6 @@ TEST_P(CheriCudaGraph, CapturedCallsReplayBitwiseAsDirectCalls) {
     expect_same_bytes(t.grad_linear1, direct.grad_linear1, "grads.linear1_weight");
     expect_same_bytes(t.grad_linear2, direct.grad_linear2, "grads.linear2_weight");
   }
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CheriCudaGraph, ::testing::ValuesIn(kDtypes),

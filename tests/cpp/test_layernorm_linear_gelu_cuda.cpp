@@ -261,25 +261,18 @@ TEST_P(LolaCudaGraph, CapturedCallReplays) {
   LolaTensors t = upload_lola(in, c, DType::Float16, kCuda);
 
   OwnStream s;
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] { run_lola(t, c, {}, s.stream()); }));
-  std::size_t count = 0;
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
-  EXPECT_GE(count, 3u) << "workspace allocation, LayerNorm, matrix product";
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_lola(t, c, {}, s.stream()); }));
+  GraphNodeCounts nodes;
+  ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
+  EXPECT_GE(nodes.total, 3) << "workspace allocation, LayerNorm, matrix product";
 
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    t.out.buffer.fill_bytes(0xff);
-    expect_device_ok();
-    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+    ASSERT_NO_FATAL_FAILURE(graph.replay({&t.out}));
     expect_close(download_lola(t, c), lola_reference(in, c), lola_cuda_tolerance(DType::Float16),
                  "out");
   }
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 INSTANTIATE_TEST_SUITE_P(Gelu, LolaCudaGraph,

@@ -224,15 +224,14 @@ TEST_P(MhcPostCudaForward, EmptyBatchLaunchesNothing) {
   }
 
   OwnStream s;
-  cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
-  EXPECT_NO_THROW(run_mhc_post(out, d, s.stream()));
-  EXPECT_NO_THROW(run_mhc_post_backward(grads, g, d, s.stream()));
-  ASSERT_CUDA(cudaStreamEndCapture(s.get(), &graph));
-  std::size_t nodes = 1;
-  ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
-  EXPECT_EQ(nodes, 0u) << "N = 0 enqueued work";
-  ASSERT_CUDA(cudaGraphDestroy(graph));
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] {
+    run_mhc_post(out, d, s.stream());
+    run_mhc_post_backward(grads, g, d, s.stream());
+  }));
+  GraphNodeCounts nodes;
+  ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
+  EXPECT_EQ(nodes.total, 0) << "N = 0 enqueued work";
   expect_device_ok();
   expect_only_view_written(out, "out");
   expect_grads_only_view_written(grads);
@@ -515,35 +514,25 @@ TEST_P(MhcPostCudaGraph, CapturedForwardAndBackwardReplay) {
   ASSERT_GT(backward_config(grads, g, d).chunks, 1);
 
   OwnStream s;
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_graph(s.get(), &graph, [&] {
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] {
     run_mhc_post(out, d, s.stream());
     run_mhc_post_backward(grads, g, d, s.stream());
   }));
 
   GraphNodeCounts nodes;
-  ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));
+  ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
   EXPECT_EQ(nodes.kernels, 3) << "forward, backward, chunk reduction";
   EXPECT_EQ(nodes.allocs, 1);
   EXPECT_EQ(nodes.frees, 1);
 
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    // Fresh poison each time: every replay writes every output again.
-    for (DeviceTensor* t :
-         {&out, &grads.grad_x, &grads.grad_residual, &grads.grad_post, &grads.grad_comb}) {
-      t->buffer.fill_bytes(0xff);
-    }
-    expect_device_ok();  // the poison (legacy stream) is in place: s does not wait
-    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+    ASSERT_NO_FATAL_FAILURE(graph.replay(
+        {&out, &grads.grad_x, &grads.grad_residual, &grads.grad_post, &grads.grad_comb}));
     expect_forward_matches(download(out.view), in, dtype);
     expect_backward_matches(download_grads(grads), in, grad_out, dtype);
   }
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, MhcPostCudaGraph, ::testing::ValuesIn(kDtypes), dtype_param_name);

@@ -367,13 +367,11 @@ TEST_F(TrimulCudaMisc, EmptyInputsWriteNothing) {
     expect_untouched(t.out, "out");
 
     OwnStream s;
-    cudaGraph_t graph = nullptr;
-    ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
-    std::size_t nodes = 0;
-    ASSERT_CUDA(cudaGraphGetNodes(graph, nullptr, &nodes));
-    EXPECT_EQ(nodes, 0u) << "an empty call enqueued work";
-    ASSERT_CUDA(cudaGraphDestroy(graph));
+    CapturedGraph graph;
+    ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_trimul(t, c, s.stream()); }));
+    GraphNodeCounts nodes;
+    ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
+    EXPECT_EQ(nodes.total, 0) << "an empty call enqueued work";
   }
 }
 
@@ -483,30 +481,21 @@ TEST_P(TrimulCudaGraph, CapturedCallReplaysBitwiseAsADirectCall) {
 
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_trimul(t, c, s.stream()); }));
   expect_untouched(t.out, "out after the capture (nothing runs while capturing)");
 
   GraphNodeCounts nodes;
-  ASSERT_NO_FATAL_FAILURE(count_graph_nodes(graph, nodes));
+  ASSERT_NO_FATAL_FAILURE(graph.count_nodes(nodes));
   EXPECT_GT(nodes.kernels, 0) << "no kernel was captured";
   EXPECT_EQ(nodes.allocs, nodes.frees) << "every workspace taken in the graph is given back in it";
 
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    t.out.buffer.fill_bytes(0xff);  // fresh poison: every replay writes every element again
-    expect_device_ok();             // the poison (legacy stream) is in place: s does not wait
-    ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-    ASSERT_CUDA(cudaStreamSynchronize(s.get()));
-    expect_device_ok();
+    ASSERT_NO_FATAL_FAILURE(graph.replay({&t.out}));
     expect_same_bytes(t.out, direct.out, "out of the replay against the direct call");
   }
   expect_matches_float64(download_trimul(t), in, c, "out of the replays against float64");
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, TrimulCudaGraph, ::testing::ValuesIn(kDtypes),
@@ -522,21 +511,14 @@ TEST_F(TrimulCudaMisc, CapturedBeforeAnyDirectCallOfItsShape) {
   const TrimulTensors t = upload_trimul(in, c, kCuda);
   OwnStream s;
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
-  cudaGraph_t graph = nullptr;
-  ASSERT_NO_FATAL_FAILURE(
-      capture_graph(s.get(), &graph, [&] { run_trimul(t, c, fusekit::Stream{s.get()}); }));
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  ASSERT_CUDA(cudaGraphLaunch(exec, s.get()));
-  ASSERT_CUDA(cudaStreamSynchronize(s.get()));
-  expect_device_ok();
+  CapturedGraph graph;
+  ASSERT_NO_FATAL_FAILURE(graph.capture(s.get(), [&] { run_trimul(t, c, s.stream()); }));
+  ASSERT_NO_FATAL_FAILURE(graph.replay());
   run_trimul(direct, c);
   expect_device_ok();
   expect_only_view_written(t.out, "out of the replay");
   expect_same_bytes(t.out, direct.out, "out of the replay against a direct call made after it");
   expect_matches_float64(download_trimul(t), in, c);
-  ASSERT_CUDA(cudaGraphExecDestroy(exec));
-  ASSERT_CUDA(cudaGraphDestroy(graph));
 }
 
 }  // namespace
