@@ -731,7 +731,7 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       for (int kb = 0; kb < kbs; ++kb) {
         mbarrier_wait(&w_full[w_at.slot], w_at.phase);
         wgmma_fence();
-        // (through warp_uniform: as they are, the descriptors below are built in every lane)
+        // kb and the slot through warp_uniform, so that the descriptors below are built once a warp
         const int kbu = warp_uniform(kb), slot = warp_uniform(w_at.slot);
 #pragma unroll
         for (int k16 = 0; k16 < kWgStepK / 16; ++k16) {
