@@ -254,10 +254,11 @@ INSTANTIATE_TEST_SUITE_P(
              trimul_case_name(std::get<1>(info.param));
     });
 
-// Many tiles a block (the warpgroup kernel is persistent) against the CPU backend: with rows of C
-// = 384 its x slots hold 4 rows and each warpgroup reads 16 of them a tile (a ring that mixed the
-// two warpgroups' slots went wrong at this bench shape only, never at smaller ones); at C = 192
-// two warpgroups take turns at the MMAs, at C = 128 three do.
+// Many tiles a block (the warpgroup kernel is persistent) against the CPU backend: at C = 384 and
+// 192 the warpgroups load their rows of x themselves (no x slots) and the last tile runs past M;
+// at C = 192 two warpgroups take turns at the MMAs, at C = 128 three do, reading x from slots (a
+// ring that mixed two warpgroups' slots once went wrong at a bench shape only, never at smaller
+// ones).
 class TrimulCudaProjectionsLarge : public CudaTest<> {};
 
 TEST_F(TrimulCudaProjectionsLarge, WarpgroupMatchesCpuBackend) {

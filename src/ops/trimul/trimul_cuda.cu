@@ -223,6 +223,7 @@ struct ProjectArgs {
   __half* right;
   __half* gate;
   std::int64_t ldn, plane;
+  std::int64_t x_ld;  // wg_project: row m of x at x + m x_ld
 };
 
 // Shared memory of the projection kernel, in bytes from the start. Until the matrix product
@@ -305,6 +306,26 @@ __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
       T e[4];
     } u;
     u.raw = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = to_float(u.e[i]);
+  }
+}
+
+// load4 for rows read once: evict-first in L2, not kept in L1.
+template <typename T>
+__device__ __forceinline__ void load4_streaming(const T* p, float (&v)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 f = __ldcs(reinterpret_cast<const float4*>(p));
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+  } else {
+    union {
+      uint2 raw;
+      T e[4];
+    } u;
+    u.raw = __ldcs(reinterpret_cast<const uint2*>(p));
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = to_float(u.e[i]);
   }
@@ -509,9 +530,10 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 //
 // The same work on warpgroup MMAs: a persistent kernel, one block a multiprocessor, of consumer
 // warpgroups (three at C <= 128, else two) and two producer warps, over tiles of 64 rows a consumer
-// warpgroup. The x producer warp copies rows of x through a ring of slots (tensor-map boxes of
-// whole rows) ahead of use; a warpgroup normalises its rows from there into its A tile, float16 in
-// the 128-byte-swizzled layout the MMAs read. The weight producer warp streams the packed weights,
+// warpgroup. At C <= 128 the x producer warp copies rows of x through a ring of slots (tensor-map
+// boxes of whole rows) ahead of use, and a warpgroup normalises its rows from there; above, each
+// warp loads its rows from global memory itself, a few at once (kDirectX). Either way they land in
+// the warpgroup's A tile, float16 in the 128-byte-swizzled layout the MMAs read. The weight producer warp streams the packed weights,
 // 160 rows (the five projections of 32 channels) by 64 k a slot, through a ring all warpgroups
 // read. A chunk of 32 channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the
 // epilogue applies mask and gates, stages left, right and gate by transposing stmatrix as swizzled
@@ -533,6 +555,14 @@ constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
 constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * 64 * 2;
 static_assert(kWgStageBytes % 1024 == 0 && kWgSlotBytes % 1024 == 0, "swizzled boxes are aligned");
 constexpr std::int64_t kWgProjectMaxC = 384;
+// Whether the kernel for rows of up to 128 kQuads values reads x without slots (direct_x). At
+// C = 384 a slot of 8 rows of float32 x is 12 KB, and one a warpgroup (all that fits beside the A
+// tiles and three weight slots) left each warpgroup's LayerNorm waiting on 8 copies in turn a
+// tile; loads of 4 rows a warp at once put 48 KB an SM in flight and free the slots' shared
+// memory for two more weight slots: -5 to -8% at the benchmark's C = 384 shapes (bench/NOTES.md).
+// At C <= 128 the slots (16 rows, two a warpgroup) were the faster.
+template <int kQuads>
+constexpr bool kDirectX = kQuads >= 2;
 
 // Shared memory of the warpgroup kernel, in bytes from a 1024-byte aligned base: the warpgroups'
 // A tiles, the weight slots, the warpgroups' epilogue stages, the x slots, the rows' masks and
@@ -544,6 +574,10 @@ struct WgProjectLayout {
   int x_rows = 0, x_box_c = 0, x_boxes = 0;  // an x slot: x_boxes boxes of x_rows x x_box_c
   int x_stages = 0, w_stages = 0;
   std::uint32_t x_box_bytes = 0;
+  // Rows of more than 128 values (kQuads >= 2): the consumers load their rows of x from global
+  // memory themselves, several rows a warp at once, and the layout has no x slots (see
+  // normalise_global_rows).
+  bool direct_x = false;
   __host__ __device__ std::size_t a(int wg) const { return std::size_t(wg) * 64 * cp * 2; }
   __host__ __device__ int tile_rows() const { return 64 * wgs; }
   __host__ __device__ std::size_t w(int slot) const { return a(wgs) + std::size_t(slot) * kWgSlotBytes; }
@@ -567,43 +601,18 @@ struct WgProjectLayout {
 #ifdef FUSEKIT_WGMMA  // the device code of wg_project, compiled for sm_90a only
 
 
-// LayerNorm_C of kRows rows r0, r0 + 4, ... (those below x_rows) of an x slot into rows a_row0 +
-// ... of a warpgroup's swizzled A tile, by one warp; the rows at once, so that their reductions
-// overlap (kRows = x_rows / 4: a slot's rows over the warpgroup's four warps, no idle rows). Sums are of x - x[0] (no digits lost to a large mean), two passes over
-// values held in registers.
-// `src` is where the lane's values lie from a row's start in the slot (see wg_project_consume),
-// `ln` the LayerNorm's weight and bias in shared memory (zeros from C to cp); a lane holds
-// kQuads groups of four values of a row, C <= 128 kQuads.
-template <typename T, int kQuads, int kRows>
-__device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProjectLayout& l,
-                                                    const int (&src)[kQuads], const float* ln,
-                                                    int r0, int c, float eps,
-                                                    unsigned char* a_tile, int a_row0) {
+// The LayerNorm of kRows rows a warp holds, after shift_row: v is each row's values less its
+// first value and sum their sum (a lane holds kQuads groups of four values of a row, C <= 128
+// kQuads). The means, the variances (two passes over the values in registers, their reductions
+// overlapping), then the first live_rows rows into rows a_row0, a_row0 + 4, ... of a warpgroup's
+// swizzled A tile as float16; `ln` is the LayerNorm's weight and bias in shared memory (zeros
+// from C to cp).
+template <int kQuads, int kRows>
+__device__ __forceinline__ void finish_rows(float (&v)[kRows][kQuads][4], float (&sum)[kRows],
+                                            int live_rows, const WgProjectLayout& l, const float* ln,
+                                            int c, float eps, unsigned char* a_tile, int a_row0) {
   const int lane = threadIdx.x & 31;
-  float v[kRows][kQuads][4];
-  float sum[kRows], sq[kRows];
-#pragma unroll
-  for (int k = 0; k < kRows; ++k) {
-    const int r = r0 + 4 * k;
-#pragma unroll
-    for (int t = 0; t < kQuads; ++t) {
-      if (r < l.x_rows && 4 * lane + 128 * t < c) {
-        load4(slot + src[t] + r * l.x_box_c, v[k][t]);
-      } else {
-        v[k][t][0] = v[k][t][1] = v[k][t][2] = v[k][t][3] = 0.0f;
-      }
-    }
-    const float shift = __shfl_sync(0xffffffffu, v[k][0][0], 0);
-    sum[k] = 0.0f;
-#pragma unroll
-    for (int t = 0; t < kQuads; ++t) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[k][t][i] = 4 * lane + 128 * t + i < c ? v[k][t][i] - shift : 0.0f;
-        sum[k] += v[k][t][i];
-      }
-    }
-  }
+  float sq[kRows];
   const float inv_c = 1.0f / static_cast<float>(c);
 #pragma unroll
   for (int k = 0; k < kRows; ++k) sum[k] = warp_sum(sum[k]) * inv_c;  // the means
@@ -623,8 +632,7 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
   for (int k = 0; k < kRows; ++k) sq[k] = rsqrtf(warp_sum(sq[k]) * inv_c + eps);  // 1 / std
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    const int r = r0 + 4 * k;
-    if (r >= l.x_rows) continue;
+    if (k >= live_rows) continue;
     const int a_row = a_row0 + 4 * k;
 #pragma unroll
     for (int t = 0; t < kQuads; ++t) {
@@ -644,6 +652,87 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
       *reinterpret_cast<uint2*>(a_tile + (q / kWgStepK) * (64 * 128) + a_row * 128 + piece * 16 +
                                 (q % 8) * 2) = u.raw;
     }
+  }
+}
+
+// A row's values less its first value (no digits lost to a large mean), and their sum.
+template <int kQuads>
+__device__ __forceinline__ float shift_row(float (&v)[kQuads][4], int c) {
+  const int lane = threadIdx.x & 31;
+  const float shift = __shfl_sync(0xffffffffu, v[0][0], 0);
+  float sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kQuads; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[t][i] = 4 * lane + 128 * t + i < c ? v[t][i] - shift : 0.0f;
+      sum += v[t][i];
+    }
+  }
+  return sum;
+}
+
+// LayerNorm_C of kRows rows r0, r0 + 4, ... (those below x_rows) of an x slot into rows a_row0 +
+// ... of a warpgroup's swizzled A tile, by one warp; the rows at once, so that their reductions
+// overlap (kRows = x_rows / 4: a slot's rows over the warpgroup's four warps, no idle rows).
+// `src` is where the lane's values lie from a row's start in the slot (see wg_project_consume).
+template <typename T, int kQuads, int kRows>
+__device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProjectLayout& l,
+                                                    const int (&src)[kQuads], const float* ln,
+                                                    int r0, int c, float eps,
+                                                    unsigned char* a_tile, int a_row0) {
+  const int lane = threadIdx.x & 31;
+  float v[kRows][kQuads][4];
+  float sum[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int r = r0 + 4 * k;
+#pragma unroll
+    for (int t = 0; t < kQuads; ++t) {
+      if (r < l.x_rows && 4 * lane + 128 * t < c) {
+        load4(slot + src[t] + r * l.x_box_c, v[k][t]);
+      } else {
+        v[k][t][0] = v[k][t][1] = v[k][t][2] = v[k][t][3] = 0.0f;
+      }
+    }
+    sum[k] = shift_row<kQuads>(v[k], c);
+  }
+  finish_rows<kQuads, kRows>(v, sum, (l.x_rows - r0 + 3) / 4, l, ln, c, eps, a_tile, a_row0);
+}
+
+// The warpgroup's 64 rows of x from m0, read straight from global memory, into its A tile as
+// normalise_slot_rows writes them: warp w takes rows w, w + 4, ..., kRows of them at a time, every
+// load of those rows issued before any arithmetic (rows past M read as zeros). Without x slots the
+// rows in flight are limited by registers rather than by shared memory (see direct_x).
+template <typename T, int kQuads>
+__device__ __forceinline__ void normalise_global_rows(const ProjectArgs& a, const WgProjectLayout& l,
+                                                      const float* ln, std::int64_t m0,
+                                                      unsigned char* a_tile) {
+  constexpr int kRows = kQuads == 2 ? 8 : 4;  // 64 or 48 values a lane
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) % 4;
+  const int c = static_cast<int>(a.c);
+  const T* const x = static_cast<const T*>(a.x);
+#pragma unroll 1
+  for (int b = 0; b < 16 / kRows; ++b) {
+    const int a_row0 = warp + 4 * kRows * b;
+    float v[kRows][kQuads][4];
+    float sum[kRows];
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const std::int64_t m = m0 + a_row0 + 4 * k;
+#pragma unroll
+      for (int t = 0; t < kQuads; ++t) {
+        const int q = 4 * lane + 128 * t;
+        if (m < a.m && q < c) {
+          load4_streaming(x + m * a.x_ld + q, v[k][t]);
+        } else {
+          v[k][t][0] = v[k][t][1] = v[k][t][2] = v[k][t][3] = 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) sum[k] = shift_row<kQuads>(v[k], c);
+    finish_rows<kQuads, kRows>(v, sum, kRows, l, ln, c, a.eps, a_tile, a_row0);
   }
 }
 
@@ -702,8 +791,11 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
       row_mask[tid] = mk;
       row_base[tid] = rb;
     }
-    // The warpgroup's rows: groups wg, wg + kWgs, ... of the tile's.
-    for (int within = 0; within < groups / kWgs; ++within) {
+    if constexpr (kDirectX<kQuads>) {
+      normalise_global_rows<T, kQuads>(a, l, ln, m0, a_tile);
+    }
+    // The warpgroup's rows: groups wg, wg + kWgs, ... of the tile's (in slots).
+    for (int within = 0; !kDirectX<kQuads> && within < groups / kWgs; ++within) {
       mbarrier_wait(&x_full[x_at.slot], x_at.phase);
       const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
       const int a_row0 = within * l.x_rows + warp;
@@ -873,7 +965,7 @@ __global__ void __launch_bounds__(wg_project_threads(kWgs), 1)
         }
       }
     }
-  } else if (warp == 4 * kWgs + 1 && lane == 0) {  // the x producer
+  } else if (warp == 4 * kWgs + 1 && lane == 0 && !kDirectX<kQuads>) {  // the x producer
     prefetch_tensor_map(&x_map);
     const int groups = kWgs * 64 / l.x_rows;
     RingPosition at;
@@ -929,10 +1021,11 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   // A third weight slot first (one in flight beyond the two being read: at C = 384 that gained
   // 4% over two x slots a warpgroup), then two x slots a warpgroup where they fit (one leaves its
   // LayerNorm waiting on every slot's copy), then as many weight slots as fit, up to 8.
-  int x = wgs, w = 2;
+  l.direct_x = c > 128;
+  int x = l.direct_x ? 0 : wgs, w = 2;
   if (!fits(x, w)) return std::nullopt;
   if (fits(x, 3)) w = 3;
-  if (fits(2 * wgs, w)) x = 2 * wgs;
+  if (!l.direct_x && fits(2 * wgs, w)) x = 2 * wgs;
   while (w < 8 && fits(x, w + 1)) ++w;
   l.x_stages = x;
   l.w_stages = w;
@@ -1429,6 +1522,7 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
   pa.gate = gate;
   pa.ldn = ldn;
   pa.plane = plane;
+  pa.x_ld = x_ld;
   if (use_wg) {
     launch_wg_project<T>(p, *wg_layout, x_ld, pa, device, stream);
   } else {
