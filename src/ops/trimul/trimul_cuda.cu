@@ -27,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "common/cublaslt.h"
 #include "common/bulk_copy.cuh"
@@ -291,41 +292,24 @@ __device__ __forceinline__ void normalise_row(const T* x, int c, int cp, const f
   }
 }
 
-// Four consecutive values of T from shared memory (16 bytes of float32, 8 of a 16-bit type).
-template <typename T>
+// Four consecutive values of T (16 bytes of float32, 8 of a 16-bit type); with kStreaming from
+// rows read once (evict-first in L2, not kept in L1).
+template <typename T, bool kStreaming = false>
 __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+  using Raw = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+  const Raw* const at = reinterpret_cast<const Raw*>(p);
+  const Raw raw = kStreaming ? __ldcs(at) : *at;
   if constexpr (sizeof(T) == 4) {
-    const float4 f = *reinterpret_cast<const float4*>(p);
-    v[0] = f.x;
-    v[1] = f.y;
-    v[2] = f.z;
-    v[3] = f.w;
+    v[0] = raw.x;
+    v[1] = raw.y;
+    v[2] = raw.z;
+    v[3] = raw.w;
   } else {
     union {
       uint2 raw;
       T e[4];
     } u;
-    u.raw = *reinterpret_cast<const uint2*>(p);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = to_float(u.e[i]);
-  }
-}
-
-// load4 for rows read once: evict-first in L2, not kept in L1.
-template <typename T>
-__device__ __forceinline__ void load4_streaming(const T* p, float (&v)[4]) {
-  if constexpr (sizeof(T) == 4) {
-    const float4 f = __ldcs(reinterpret_cast<const float4*>(p));
-    v[0] = f.x;
-    v[1] = f.y;
-    v[2] = f.z;
-    v[3] = f.w;
-  } else {
-    union {
-      uint2 raw;
-      T e[4];
-    } u;
-    u.raw = __ldcs(reinterpret_cast<const uint2*>(p));
+    u.raw = raw;
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = to_float(u.e[i]);
   }
@@ -724,7 +708,7 @@ __device__ __forceinline__ void normalise_global_rows(const ProjectArgs& a, cons
       for (int t = 0; t < kQuads; ++t) {
         const int q = 4 * lane + 128 * t;
         if (m < a.m && q < c) {
-          load4_streaming(x + m * a.x_ld + q, v[k][t]);
+          load4<T, true>(x + m * a.x_ld + q, v[k][t]);
         } else {
           v[k][t][0] = v[k][t][1] = v[k][t][2] = v[k][t][3] = 0.0f;
         }
