@@ -517,12 +517,13 @@ __global__ void __launch_bounds__(kThreads, 2) project(ProjectArgs a) {
 // warpgroup. At C <= 128 the x producer warp copies rows of x through a ring of slots (tensor-map
 // boxes of whole rows) ahead of use, and a warpgroup normalises its rows from there; above, each
 // warp loads its rows from global memory itself, a few at once (kDirectX). Either way they land in
-// the warpgroup's A tile, float16 in the 128-byte-swizzled layout the MMAs read. The weight producer warp streams the packed weights,
-// 160 rows (the five projections of 32 channels) by 64 k a slot, through a ring all warpgroups
-// read. A chunk of 32 channels is one m64n160k16 MMA per 16 k into 80 accumulators a thread; the
-// epilogue applies mask and gates, stages left, right and gate by transposing stmatrix as swizzled
-// boxes of 32 channels by 64 rows, and one thread of the warpgroup sends them to their planes by
-// the copy engine (threads copy them where the planes have padded rows). Where the weight ring
+// the warpgroup's A tile, float16 in the 128-byte-swizzled layout the MMAs read. The weight
+// producer warp streams the packed weights, 160 rows (the five projections of 32 channels) by 64 k
+// a slot, through a ring all warpgroups read. A chunk of 32 channels is one m64n160k16 MMA per 16
+// k into 80 accumulators a thread; the epilogue applies mask and gates, stages left, right and
+// gate by transposing stmatrix as swizzled boxes of 32 channels by 64 rows, and one thread of the
+// warpgroup sends them to their planes by the copy engine (threads copy them where the planes have
+// padded rows). Where the weight ring
 // holds two chunks (C up to 192) the warpgroups take turns at the MMAs, one's running under the
 // others' epilogues.
 
@@ -593,8 +594,9 @@ struct WgProjectLayout {
 // from C to cp).
 template <int kQuads, int kRows>
 __device__ __forceinline__ void finish_rows(float (&v)[kRows][kQuads][4], float (&sum)[kRows],
-                                            int live_rows, const WgProjectLayout& l, const float* ln,
-                                            int c, float eps, unsigned char* a_tile, int a_row0) {
+                                            int live_rows, const WgProjectLayout& l,
+                                            const float* ln, int c, float eps,
+                                            unsigned char* a_tile, int a_row0) {
   const int lane = threadIdx.x & 31;
   float sq[kRows];
   const float inv_c = 1.0f / static_cast<float>(c);
@@ -689,9 +691,9 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
 // load of those rows issued before any arithmetic (rows past M read as zeros). Without x slots the
 // rows in flight are limited by registers rather than by shared memory (see direct_x).
 template <typename T, int kQuads>
-__device__ __forceinline__ void normalise_global_rows(const ProjectArgs& a, const WgProjectLayout& l,
-                                                      const float* ln, std::int64_t m0,
-                                                      unsigned char* a_tile) {
+__device__ __forceinline__ void normalise_global_rows(const ProjectArgs& a,
+                                                      const WgProjectLayout& l, const float* ln,
+                                                      std::int64_t m0, unsigned char* a_tile) {
   constexpr int kRows = kQuads == 2 ? 8 : 4;  // 64 or 48 values a lane
   const int lane = threadIdx.x & 31, warp = (threadIdx.x / 32) % 4;
   const int c = static_cast<int>(a.c);
