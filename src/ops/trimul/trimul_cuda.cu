@@ -540,10 +540,10 @@ constexpr std::uint32_t kWgSlotBytes = kWgChunkCols * kWgStepK * 2;
 constexpr std::size_t kWgStageBytes = std::size_t(3) * kChunkD * 64 * 2;
 static_assert(kWgStageBytes % 1024 == 0 && kWgSlotBytes % 1024 == 0, "swizzled boxes are aligned");
 constexpr std::int64_t kWgProjectMaxC = 384;
-// Whether the kernel for rows of up to 128 kQuads values reads x without slots (direct_x). At
-// C = 384 a slot of 8 rows of float32 x is 12 KB, and one a warpgroup (all that fits beside the A
-// tiles and three weight slots) left each warpgroup's LayerNorm waiting on 8 copies in turn a
-// tile; loads of 4 rows a warp at once put 48 KB an SM in flight and free the slots' shared
+// Whether the kernel for rows of up to 128 kQuads values reads x without slots (direct_x()).
+// At C = 384 a slot of 8 rows of float32 x is 12 KB, and one a warpgroup (all that fits beside
+// the A tiles and three weight slots) left each warpgroup's LayerNorm waiting on 8 copies in turn
+// a tile; loads of 4 rows a warp at once put 48 KB an SM in flight and free the slots' shared
 // memory for two more weight slots: -5 to -8% at the benchmark's C = 384 shapes (bench/NOTES.md).
 // At C <= 128 the slots (16 rows, two a warpgroup) were the faster.
 template <int kQuads>
@@ -559,10 +559,10 @@ struct WgProjectLayout {
   int x_rows = 0, x_box_c = 0, x_boxes = 0;  // an x slot: x_boxes boxes of x_rows x x_box_c
   int x_stages = 0, w_stages = 0;
   std::uint32_t x_box_bytes = 0;
-  // Rows of more than 128 values (kQuads >= 2): the consumers load their rows of x from global
-  // memory themselves, several rows a warp at once, and the layout has no x slots (see
-  // normalise_global_rows).
-  bool direct_x = false;
+  // Rows of more than 128 values (the kernels of kDirectX): the consumers load their rows of x
+  // from global memory themselves, several rows a warp at once, and the layout has no x slots
+  // (see normalise_global_rows).
+  __host__ __device__ bool direct_x() const { return cp > 128; }
   __host__ __device__ std::size_t a(int wg) const { return std::size_t(wg) * 64 * cp * 2; }
   __host__ __device__ int tile_rows() const { return 64 * wgs; }
   __host__ __device__ std::size_t w(int slot) const { return a(wgs) + std::size_t(slot) * kWgSlotBytes; }
@@ -689,7 +689,7 @@ __device__ __forceinline__ void normalise_slot_rows(const T* slot, const WgProje
 // The warpgroup's 64 rows of x from m0, read straight from global memory, into its A tile as
 // normalise_slot_rows writes them: warp w takes rows w, w + 4, ..., kRows of them at a time, every
 // load of those rows issued before any arithmetic (rows past M read as zeros). Without x slots the
-// rows in flight are limited by registers rather than by shared memory (see direct_x).
+// rows in flight are limited by registers rather than by shared memory (see direct_x()).
 template <typename T, int kQuads>
 __device__ __forceinline__ void normalise_global_rows(const ProjectArgs& a,
                                                       const WgProjectLayout& l, const float* ln,
@@ -779,22 +779,23 @@ __device__ __forceinline__ void wg_project_consume(const ProjectArgs& a, const W
     }
     if constexpr (kDirectX<kQuads>) {
       normalise_global_rows<T, kQuads>(a, l, ln, m0, a_tile);
-    }
-    // The warpgroup's rows: groups wg, wg + kWgs, ... of the tile's (in slots).
-    for (int within = 0; !kDirectX<kQuads> && within < groups / kWgs; ++within) {
-      mbarrier_wait(&x_full[x_at.slot], x_at.phase);
-      const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
-      const int a_row0 = within * l.x_rows + warp;
-      if (l.x_rows == 16) {
-        normalise_slot_rows<T, kQuads, 4>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
-      } else if (l.x_rows == 8) {
-        normalise_slot_rows<T, kQuads, 2>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
-      } else {
-        normalise_slot_rows<T, kQuads, 1>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+    } else {
+      // The warpgroup's rows from the x slots: groups wg, wg + kWgs, ... of the tile's.
+      for (int within = 0; within < groups / kWgs; ++within) {
+        mbarrier_wait(&x_full[x_at.slot], x_at.phase);
+        const T* rows = reinterpret_cast<const T*>(base + l.x(x_at.slot));
+        const int a_row0 = within * l.x_rows + warp;
+        if (l.x_rows == 16) {
+          normalise_slot_rows<T, kQuads, 4>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+        } else if (l.x_rows == 8) {
+          normalise_slot_rows<T, kQuads, 2>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+        } else {
+          normalise_slot_rows<T, kQuads, 1>(rows, l, src, ln, warp, c, a.eps, a_tile, a_row0);
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&x_empty[x_at.slot]);
+        x_at.advance(kWgs, l.x_stages);
       }
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(&x_empty[x_at.slot]);
-      x_at.advance(kWgs, l.x_stages);
     }
     fence_proxy_async_shared();       // the A tile, written by threads, is read by the MMAs
     named_barrier_sync(1 + wg, 128);  // and the rows' masks and offsets by every thread
@@ -1007,11 +1008,10 @@ std::optional<WgProjectLayout> wg_project_layout(std::int64_t c, std::size_t ele
   // A third weight slot first (one in flight beyond the two being read: at C = 384 that gained
   // 4% over two x slots a warpgroup), then two x slots a warpgroup where they fit (one leaves its
   // LayerNorm waiting on every slot's copy), then as many weight slots as fit, up to 8.
-  l.direct_x = c > 128;
-  int x = l.direct_x ? 0 : wgs, w = 2;
+  int x = l.direct_x() ? 0 : wgs, w = 2;
   if (!fits(x, w)) return std::nullopt;
   if (fits(x, 3)) w = 3;
-  if (!l.direct_x && fits(2 * wgs, w)) x = 2 * wgs;
+  if (!l.direct_x() && fits(2 * wgs, w)) x = 2 * wgs;
   while (w < 8 && fits(x, w + 1)) ++w;
   l.x_stages = x;
   l.w_stages = w;
