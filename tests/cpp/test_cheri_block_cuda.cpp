@@ -205,7 +205,11 @@ TEST_P(CheriCudaDilations, MatchesFloat64) {
 
 INSTANTIATE_TEST_SUITE_P(Model, CheriCudaDilations,
                          ::testing::Values(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                         [](const auto& info) { return "d" + std::to_string(info.param); });
+                         [](const auto& info) {
+                           // appended, not "d" + ...: gcc 12 warns of an overlap there (-Wrestrict)
+                           std::string name = "d";
+                           return name += std::to_string(info.param);
+                         });
 
 // Every dilation whose taps the warp-specialised kernel finds in its x slots (d = 1 to 8), at
 // both of its Cs: where d divides a part's rows (1, 2, 4, 8), its producer walks the rows of a
@@ -227,8 +231,10 @@ INSTANTIATE_TEST_SUITE_P(WarpSpecialised, CheriCudaSlotDilations,
                          ::testing::Combine(::testing::Values(64, 128),
                                             ::testing::Range<std::int64_t>(1, 9)),
                          [](const auto& info) {
-                           return "C" + std::to_string(std::get<0>(info.param)) + "_d" +
-                                  std::to_string(std::get<1>(info.param));
+                           std::string name = "C";  // (appended: as above)
+                           name += std::to_string(std::get<0>(info.param));
+                           name += "_d";
+                           return name += std::to_string(std::get<1>(info.param));
                          });
 
 // Every layout, with a vectorisable C (the layouts decide between vector and scalar access) and
