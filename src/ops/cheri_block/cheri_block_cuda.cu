@@ -601,6 +601,7 @@ struct RowMeans {
   float* means;
 };
 
+#ifdef FUSEKIT_WGMMA  // used by the sm_90a kernels only
 /// mean(dy) and mean(dy y) of example n by a warp: lane i adds rows i, i + 32, ... in double,
 /// and the lanes are merged in a fixed tree.
 __device__ void finalize_row_means(const RowMeans& m, std::int64_t n, int lane) {
@@ -618,6 +619,7 @@ __device__ void finalize_row_means(const RowMeans& m, std::int64_t n, int lane) 
     m.means[2 * n + 1] = static_cast<float>(c / m.plane);
   }
 }
+#endif
 
 struct DconvStats {
   float mean, rstd, mean_dy, mean_dy_y;
@@ -1121,6 +1123,7 @@ __device__ __forceinline__ void conv_norm_fragments(std::uint32_t (&af)[kC / 16]
   }
 }
 
+#ifdef FUSEKIT_WGMMA  // used by the sm_90a kernels only
 /// 2 sqrt(2 / pi) GELU(h / sqrt(2 / pi)) = h (1 + tanh(h (1 + 0.044715 h^2 / (2 / pi)))) of two
 /// values (lo in the low half) in float16 arithmetic, for products whose first weight carries the
 /// factor sqrt(2 / pi) and whose second carries its inverse over 2 (stage_swizzled's scale), one
@@ -1152,6 +1155,7 @@ __device__ __forceinline__ void gelu_scaled_fragment(std::uint32_t (&a)[4], cons
   a[2] = gelu_scaled_half2(hi[0], hi[1]);
   a[3] = gelu_scaled_half2(hi[2], hi[3]);
 }
+#endif
 
 /// GELU(h) of an m16n8 accumulator pair (columns 16 kk .. 16 kk + 15) as a k16 A fragment.
 template <bool kApprox = false>
@@ -2156,6 +2160,7 @@ std::size_t front_smem_bytes(std::int64_t hidden) {
          kFrontScratchFloats * sizeof(float);
 }
 
+#ifdef FUSEKIT_WGMMA  // used by the sm_90a kernels only
 /// Four 4-byte pieces of a row held by the four lanes of a quad, lane q holding the pieces at
 /// columns 8 a + 2 q (a = 0 .. 3, two float16 each), exchanged (a 4 x 4 transpose, two shuffle
 /// steps) so that lane q holds columns 8 q .. 8 q + 7 in v[0 .. 3]: one 16-byte store instead of
@@ -2172,6 +2177,7 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&v)[4], int q) {
     }
   }
 }
+#endif
 
 /// Stores `v` as the 8 float16 at positions 8 q .. of a 32-column group: after quad_transpose,
 /// columns 8 q .. 8 q + 7; without it, the lane's own columns in quad order (quad_order).
@@ -2505,6 +2511,10 @@ constexpr int kDySegments = NB / 32;  // float16 dy: exponents a row
 template <bool kDy>
 constexpr int kGradStages = kDy ? 3 : 4;
 
+// Bytes of a stage of weight_grad_kernel: 64 rows of both operands, and room to align them.
+constexpr int grad_stage_bytes(int ma, int nb) { return kWgRows * (ma + nb) * 2 + 1024; }
+
+#ifdef FUSEKIT_WGMMA  // the sm_90a kernel's tiling
 template <int MA, int NB>
 struct GradShape {
   static_assert(MA % 64 == 0 && NB % 64 == 0, "blocks of 64 columns");
@@ -2516,13 +2526,14 @@ struct GradShape {
   static_assert(kCols % kChunk == 0, "whole MMAs");
   static constexpr int kDyWgs = NB >= 128 ? 2 : 1;  // warpgroups on dy, 64 columns each
   static constexpr int kBlock = kWgRows * 128;      // bytes of 64 columns of a tile
-  static constexpr int kStageBytes = kWgRows * (MA + NB) * 2 + 1024;
+  static constexpr int kStageBytes = grad_stage_bytes(MA, NB);
 };
+#endif
 
 template <int MA, int NB, bool kDy>
 constexpr std::size_t grad_smem_bytes() {
   // room to align to 1024 bytes, the stages, W1 as float16 (kDy)
-  return 1024 + kGradStages<kDy> * GradShape<MA, NB>::kStageBytes + (kDy ? MA * NB * 2 : 0);
+  return 1024 + kGradStages<kDy> * grad_stage_bytes(MA, NB) + (kDy ? MA * NB * 2 : 0);
 }
 
 template <int MA, int NB, bool kDy, typename D>
