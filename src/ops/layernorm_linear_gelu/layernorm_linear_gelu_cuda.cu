@@ -498,8 +498,8 @@ struct WgProduct {
   static constexpr int kStepChunks = kChunks == 0 ? 1 : kChunks;  // 64 k each
   static constexpr int kStepK = 64 * kStepChunks;
   static constexpr std::uint32_t kAtomStride = 1024 * kStepChunks;  // between 8-row atoms
-  static_assert(kAtomStride % 1024 == 0, "atoms where the 128-byte swizzle repeats");
   static constexpr std::size_t kTileW = std::size_t{kWgRowsW} * kStepK * 2;  // bytes of a step
+  static_assert(kWgRowsW / 8 * kAtomStride == kTileW, "a step's weight is whole 8-row atoms");
   static constexpr std::size_t kTileX = std::size_t{kBM} * kStepK * 2;       // of each operand
   static constexpr std::size_t kStageBytes = kTileW + kTileX;
   static constexpr std::size_t kMaxShared = 227 * 1024;  // a block's opt-in limit on sm_90
