@@ -713,17 +713,22 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 //   the causal mask and the online softmax on S in registers, as the mma.sync kernel does,
 //   O += P V    wgmma m64n{D}k16, P from registers (the accumulator's layout is the A
 //               fragment's) and V read N-major from its tile as it landed,
-// and hands the slot back to the producer. Launches of many blocks run small blocks of one
+// and hands the slot back to the producer (at D = 64 with many blocks, K as soon as S is done and
+// V after O, each with a barrier of its own). Launches of many blocks run small blocks of one
 // warpgroup, four to a multiprocessor, so that one block's softmax, copies and stores overlap the
 // others' MMAs. Key tiles start at the padding count and end at the block's last row, as in the
 // mma.sync kernel; rows past T arrive as zeros. The query tile is copied whole, so its padding
 // rows may be read, but a row never mixes with another and padding rows are written as zeros.
 
 template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
-          int kMinBlocks_ = 1>
+          int kMinBlocks_ = 1, bool kSplitRelease_ = false>
 struct WgConfig {
   using T = T_;
   static constexpr int kMinBlocks = kMinBlocks_;  // blocks per multiprocessor
+  // A slot's K handed back once S = Q K^T is done, its V once O += P V is, so that the next K
+  // tile's copy into the slot starts a softmax and a product earlier (1.5% at B8, four blocks of
+  // one warpgroup an SM with two slots each).
+  static constexpr bool kSplitRelease = kSplitRelease_;
   static constexpr int kD = kD_, kBlockN = kBlockN_, kConsumers = kConsumers_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSplitKeys = kSplitKeys_;
@@ -735,9 +740,11 @@ struct WgConfig {
   // Warps that read each tile and hand it back.
   static constexpr int kReaderWarps = 4 * (kSplitKeys ? 1 : kConsumers);
   // Shared memory from a 1024-byte aligned base: Q, then K and V of each slot, then the
-  // barriers (Q full, K full and V full of each slot, each slot empty).
+  // barriers (Q full, K full and V full of each slot, each slot empty; with kSplitRelease that
+  // is its K's, and each slot's V empty follows).
   static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
-  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 8 * (1 + 3 * kStages);
+  static constexpr std::size_t kSharedBytes =
+      1024 + kBarrierOffset + 8 * (1 + (kSplitRelease ? 4 : 3) * kStages);
   // What a warpgroup hands another at the end, per thread: m and l of two rows, and O.
   static constexpr int kMergeFloats = 4 + kD / 2;
   static_assert(kD == 64 || kD == 128);
@@ -771,6 +778,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   std::uint64_t* const full_k = full_q + 1;
   std::uint64_t* const full_v = full_k + kStages;
   std::uint64_t* const empty = full_v + kStages;
+  std::uint64_t* const empty_v = empty + kStages;  // kSplitRelease only
   auto key_tile = [&](int slot) { return base + C::kQueryBytes + slot * 2 * C::kTileBytes; };
 
   const int warp = warp_uniform(threadIdx.x / 32), lane = threadIdx.x % 32;
@@ -794,6 +802,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       tensor_copy_4d_to_shared(kt + cb * kBlockN * 128, &k_map, cb * 64, j0, kvh, b,
                                full_k + slot);
     }
+    if (C::kSplitRelease && i >= kStages) mbarrier_wait(empty_v + slot, ((i / kStages) - 1) & 1);
     mbarrier_arrive_expect_bytes(full_v + slot, C::kTileBytes);
     for (int cb = 0; cb < kColumnBlocks; ++cb) {
       tensor_copy_4d_to_shared(kt + C::kTileBytes + cb * kBlockN * 128, &v_map, cb * 64, j0, kvh,
@@ -813,6 +822,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         mbarrier_init(full_k + s, 1);
         mbarrier_init(full_v + s, 1);
         mbarrier_init(empty + s, C::kReaderWarps);
+        if (C::kSplitRelease) mbarrier_init(empty_v + s, C::kReaderWarps);
       }
       mbarrier_init_fence();
       mbarrier_arrive_expect_bytes(full_q, C::kQueryBytes);
@@ -844,6 +854,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         swizzled_descriptor(base + (C::kSplitKeys ? 0 : wg * 64 * 128));
     mbarrier_wait(full_q, 0);
     const int first = C::kSplitKeys ? wg : 0, step = C::kSplitKeys ? C::kConsumers : 1;
+    const auto hand_back = [&](std::uint64_t* bar) {
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(bar);
+    };
     for (int i = first; i < key_tiles; i += step) {
       const int slot = i % kStages;
       const std::uint32_t phase = (i / kStages) & 1;
@@ -863,6 +877,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(s);
+        if constexpr (C::kSplitRelease) hand_back(empty + slot);  // K is read
 
         // Keys after a row's diagonal (the rows past the keys' range among them) get no weight.
         if (j0 + kBlockN - 1 > warp_row0) {
@@ -917,9 +932,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         wgmma_fence_operands(p);
       } else {
         mbarrier_wait(full_v + slot, phase);
+        if constexpr (C::kSplitRelease) hand_back(empty + slot);
       }
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(empty + slot);
+      hand_back(C::kSplitRelease ? empty_v + slot : empty + slot);
     }
   }
 
@@ -1092,7 +1107,7 @@ void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
 template <typename T, int kD>
 bool launch_wg_head_dim(const Args& a, const CausalAttentionParams& p, int device,
                         cudaStream_t stream) {
-  using Rows = std::conditional_t<kD == 64, WgConfig<T, kD, 64, 1, false, 2, 4>,
+  using Rows = std::conditional_t<kD == 64, WgConfig<T, kD, 64, 1, false, 2, 4, true>,
                                   WgConfig<T, kD, 128, 2, false, 2, 1>>;
   using Split = WgConfig<T, kD, 64, 2, true, 4>;
   const bool few = blocks_of(a, 128) < multiprocessor_count(device);
