@@ -63,6 +63,7 @@ struct Args {
   bool vector_loads;            // q, k, v rows may be copied in 16-byte pieces
   bool vector_stores;           // out may be written in pairs of elements
   bool piece_stores;            // out rows may be written in 16-byte pieces
+  bool tensor_stores;           // out has a tensor map (D = 64): rows leave by the copy engine
 };
 
 // ------------------------------------------------------------------------------- loading
@@ -383,12 +384,16 @@ __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, i
 // lse) into `staged` (64 rows of kD elements, the 16-byte pieces of row r in the order piece ^ (r
 // % 8), so that neither the writes nor the reads meet bank conflicts), and after the warpgroup's
 // barrier a rolled loop copies whole pieces to out: the code fetched after the products is a
-// few cache lines, where a copy of store_row per row and chunk is many.
+// few cache lines, where a copy of store_row per row and chunk is many. At D = 64 that order is
+// the 128-byte swizzle of a tensor map's box, so where out has a map (`o_map`) one thread hands
+// the rows to the copy engine instead (which leaves rows past T unwritten) and waits only until
+// it has read them: the warpgroup's other threads leave at once (B8: 44.4 -> 43.7 µs on H100).
 template <int kD, typename T, typename O>
 __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, int h, int row0,
                                                   int pad, unsigned char* staged, int barrier,
                                                   const float (&l_part)[2], const float (&m)[2],
-                                                  const O& o) {
+                                                  const O& o,
+                                                  const CUtensorMap* o_map = nullptr) {
   const int wg_tid = threadIdx.x % 128, g = (wg_tid % 32) / 4, t4 = wg_tid % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -403,6 +408,18 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
     }
     store_lse(a, b, h, row, row < a.t, t4, e, m[r]);
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (o_map) {
+    fence_proxy_async_shared();  // the staged rows, for the copy engine
+    named_barrier_sync(barrier, 128);
+    if (wg_tid == 0) {
+      tensor_store_4d_from_shared(o_map, 0, row0, h, b, staged);
+      bulk_commit();
+      bulk_wait_read<0>();
+    }
+    return;
+  }
+#endif
   named_barrier_sync(barrier, 128);
   constexpr int kPieces = kD / 8;
 #pragma unroll 1
@@ -719,6 +736,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 // others' MMAs. Key tiles start at the padding count and end at the block's last row, as in the
 // mma.sync kernel; rows past T arrive as zeros. The query tile is copied whole, so its padding
 // rows may be read, but a row never mixes with another and padding rows are written as zeros.
+// A warpgroup's finished rows go out through the query tile's bytes (store_rows_staged): at D =
+// 64, where out fits a tensor map, by the copy engine.
 
 template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
           int kMinBlocks_ = 1, bool kSplitRelease_ = false>
@@ -764,7 +783,8 @@ template <typename C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     wg_attention_kernel(const Args a, const __grid_constant__ CUtensorMap q_map,
                         const __grid_constant__ CUtensorMap k_map,
-                        const __grid_constant__ CUtensorMap v_map) {
+                        const __grid_constant__ CUtensorMap v_map,
+                        const __grid_constant__ CUtensorMap o_map) {
 #ifdef FUSEKIT_WGMMA
   using T = typename C::T;
   constexpr int kD = C::kD, kBlockN = C::kBlockN, kStages = C::kStages;
@@ -978,7 +998,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // Staged through the query tile's bytes, which only this warpgroup still reads (its own 64
   // rows where one warpgroup has them, the merged rows after the split keys' barrier).
   if ((C::kConsumers == 1 || C::kSplitKeys) && a.piece_stores) {
-    store_rows_staged<kD>(a, out, b, h, wg_row0, pad, base, 2, l_run, m_run, o);
+    store_rows_staged<kD>(a, out, b, h, wg_row0, pad, base, 2, l_run, m_run, o,
+                          kD == 64 && a.tensor_stores ? &o_map : nullptr);
     return;
   }
 #pragma unroll
@@ -1052,13 +1073,14 @@ void launch_head_dim(const Args& a, int device, cudaStream_t stream) {
   }
 }
 
-// The three tensor maps of the warpgroup kernel.
+// The tensor maps of the warpgroup kernel; out's only where its layout fits one (has_o).
 struct WgMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
+  bool has_o;
 };
 
-// The map of q, k or v [B, H, T, D] (strides of b, h, t in `stride`), in boxes of 64 columns by
-// `box_rows` rows of one head; empty where the layout does not fit a map.
+// The map of q, k, v or out [B, H, T, D] (strides of b, h, t in `stride`), in boxes of 64 columns
+// by `box_rows` rows of one head; empty where the layout does not fit a map.
 std::optional<CUtensorMap> head_map(const CausalAttentionParams& p, const void* base,
                                     std::int64_t heads, const std::int64_t (&stride)[3],
                                     int box_rows) {
@@ -1079,7 +1101,8 @@ std::optional<WgMaps> wg_maps(const CausalAttentionParams& p, int block_m, int b
   const auto k = head_map(p, p.k, p.hkv, p.k_stride, block_n);
   const auto v = head_map(p, p.v, p.hkv, p.v_stride, block_n);
   if (!q || !k || !v) return std::nullopt;
-  return WgMaps{*q, *k, *v};
+  const auto o = head_map(p, p.out, p.hq, p.out_stride, block_m);
+  return WgMaps{*q, *k, *v, o ? *o : CUtensorMap{}, o.has_value()};
 }
 
 template <typename C>
@@ -1094,8 +1117,9 @@ void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
   FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
                 C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
                 std::numeric_limits<int>::max(), ")");
-  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(a, maps.q, maps.k,
-                                                                                  maps.v);
+  a.tensor_stores = maps.has_o && C::kD == 64;
+  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(
+      a, maps.q, maps.k, maps.v, maps.o);
   FUSEKIT_CUDA_CHECK_LAUNCH("wg_attention_kernel");
 }
 
