@@ -302,13 +302,17 @@ TEST_F(AttentionCudaNamedKernel, WarpgroupKernelThatDoesNotFitIsAnError) {
 
 // Every layout of the [B, H, T, D] form: with D of 64 and 128, rows of whole 16-byte pieces, the
 // fast copies wherever the layout allows them (odd row strides and bases one element past an
-// aligned address must not take them); with D = 17, element by element.
+// aligned address must not take them); with D = 17, element by element. The second and third
+// cases have enough blocks for the many-blocks warpgroup kernel (at D = 128 two warpgroups a
+// block, each storing its own rows), the others run few.
 class AttentionCudaLayouts
     : public CudaTest<::testing::TestWithParam<std::tuple<Precision, AttentionLayoutCase>>> {};
 
 TEST_P(AttentionCudaLayouts, MatchesFloat64) {
   const auto [precision, l] = GetParam();
   for (const AttentionCase& k : {AttentionCase{2, 4, 2, 130, 64, kPerSeq, {}},
+                                 AttentionCase{1, 67, 1, 129, 64, kAll, {3}},
+                                 AttentionCase{2, 34, 2, 130, 128, kPerSeq, {}},
                                  AttentionCase{1, 3, 1, 70, 128, kAll, {5}},
                                  AttentionCase{3, 3, 1, 33, 17, kPerSeq, {0, 32, 7}}}) {
     const AttentionCase c = with_precision(k, precision);

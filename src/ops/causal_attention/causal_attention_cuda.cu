@@ -63,7 +63,7 @@ struct Args {
   bool vector_loads;            // q, k, v rows may be copied in 16-byte pieces
   bool vector_stores;           // out may be written in pairs of elements
   bool piece_stores;            // out rows may be written in 16-byte pieces
-  bool tensor_stores;           // out has a tensor map (D = 64): rows leave by the copy engine
+  bool tensor_stores;           // out has a tensor map: rows leave by the copy engine
 };
 
 // ------------------------------------------------------------------------------- loading
@@ -381,14 +381,16 @@ __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, i
 
 // The end of a warpgroup's 64 rows in the warpgroup kernel, where out takes 16-byte pieces: each
 // thread writes its rows' o / l (as store_row: zeros for padding rows and rows with no key, the
-// lse) into `staged` (64 rows of kD elements, the 16-byte pieces of row r in the order piece ^ (r
-// % 8), so that neither the writes nor the reads meet bank conflicts), and after the warpgroup's
-// barrier a rolled loop copies whole pieces to out: the code fetched after the products is a
-// few cache lines, where a copy of store_row per row and chunk is many. At D = 64 that order is
-// the 128-byte swizzle of a tensor map's box, so where out has a map (`o_map`) one thread hands
-// the rows to the copy engine instead (which leaves rows past T unwritten) and waits only until
-// it has read them: the warpgroup's other threads leave at once (B8: 44.4 -> 43.7 µs on H100).
-template <int kD, typename T, typename O>
+// lse) into `staged`, the warpgroup's rows of the query tile as they landed: a block of 64
+// columns after another, kTileRows rows of 128 bytes each, the 16-byte pieces of row r in the
+// order piece ^ (r % 8), so that neither the writes nor the reads meet bank conflicts. After the
+// warpgroup's barrier a rolled loop copies whole pieces to out: the code fetched after the
+// products is a few cache lines, where a copy of store_row per row and chunk is many. That
+// order is the 128-byte swizzle of a tensor map's box, so where out has a map (`o_map`, boxes of
+// 64 rows) one thread hands the rows to the copy engine instead (which leaves rows past T
+// unwritten) and waits only until it has read them: the warpgroup's other threads leave at once
+// (B8: 44.4 -> 43.7 µs on H100).
+template <int kD, int kTileRows, typename T, typename O>
 __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, int h, int row0,
                                                   int pad, unsigned char* staged, int barrier,
                                                   const float (&l_part)[2], const float (&m)[2],
@@ -399,12 +401,13 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
   for (int r = 0; r < 2; ++r) {
     const int local = 16 * (wg_tid / 32) + g + 8 * r, row = row0 + local;
     const RowEnd e = end_row(quad_sum(l_part[r]), row, pad);
-    unsigned char* const dst = staged + local * kD * 2 + 4 * t4;
+    unsigned char* const dst = staged + local * 128 + 4 * t4;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
       const float x0 = e.real ? o[4 * n + 2 * r] * e.inv : 0.0f;
       const float x1 = e.real ? o[4 * n + 2 * r + 1] * e.inv : 0.0f;
-      *reinterpret_cast<std::uint32_t*>(dst + 16 * (n ^ g)) = HalfMma<T>::pack(x0, x1);
+      *reinterpret_cast<std::uint32_t*>(dst + (n / 8) * kTileRows * 128 + 16 * ((n % 8) ^ g)) =
+          HalfMma<T>::pack(x0, x1);
     }
     store_lse(a, b, h, row, row < a.t, t4, e, m[r]);
   }
@@ -413,7 +416,9 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
     fence_proxy_async_shared();  // the staged rows, for the copy engine
     named_barrier_sync(barrier, 128);
     if (wg_tid == 0) {
-      tensor_store_4d_from_shared(o_map, 0, row0, h, b, staged);
+      for (int cb = 0; cb < kD / 64; ++cb) {
+        tensor_store_4d_from_shared(o_map, 64 * cb, row0, h, b, staged + cb * kTileRows * 128);
+      }
       bulk_commit();
       bulk_wait_read<0>();
     }
@@ -425,8 +430,8 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
 #pragma unroll 1
   for (int i = wg_tid; i < 64 * kPieces && row0 + i / kPieces < a.t; i += 128) {
     const int local = i / kPieces, piece = i % kPieces;
-    const uint4 v =
-        *reinterpret_cast<const uint4*>(staged + local * kD * 2 + 16 * (piece ^ (local % 8)));
+    const uint4 v = *reinterpret_cast<const uint4*>(staged + (piece / 8) * kTileRows * 128 +
+                                                    local * 128 + 16 * ((piece % 8) ^ (local % 8)));
     *reinterpret_cast<uint4*>(out + (row0 + local) * a.out_stride[2] + 8 * piece) = v;
   }
 }
@@ -736,8 +741,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 // others' MMAs. Key tiles start at the padding count and end at the block's last row, as in the
 // mma.sync kernel; rows past T arrive as zeros. The query tile is copied whole, so its padding
 // rows may be read, but a row never mixes with another and padding rows are written as zeros.
-// A warpgroup's finished rows go out through the query tile's bytes (store_rows_staged): at D =
-// 64, where out fits a tensor map, by the copy engine.
+// A warpgroup's finished rows go out through its query rows' bytes (store_rows_staged), by the
+// copy engine where out fits a tensor map.
 
 template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
           int kMinBlocks_ = 1, bool kSplitRelease_ = false>
@@ -996,10 +1001,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // Rows: out = o / l; padding rows (and rows with no key) zeros and an lse of -inf.
   T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + h * a.out_stride[1];
   // Staged through the query tile's bytes, which only this warpgroup still reads (its own 64
-  // rows where one warpgroup has them, the merged rows after the split keys' barrier).
-  if ((C::kConsumers == 1 || C::kSplitKeys) && a.piece_stores) {
-    store_rows_staged<kD>(a, out, b, h, wg_row0, pad, base, 2, l_run, m_run, o,
-                          kD == 64 && a.tensor_stores ? &o_map : nullptr);
+  // rows, or the merged rows after the split keys' barrier), with a named barrier a warpgroup.
+  if (a.piece_stores) {
+    const int storer = C::kSplitKeys || C::kConsumers == 1 ? 0 : wg;  // of those that store
+    store_rows_staged<kD, C::kBlockM>(a, out, b, h, wg_row0, pad, base + storer * 64 * 128,
+                                      2 + storer, l_run, m_run, o,
+                                      a.tensor_stores ? &o_map : nullptr);
     return;
   }
 #pragma unroll
@@ -1101,7 +1108,7 @@ std::optional<WgMaps> wg_maps(const CausalAttentionParams& p, int block_m, int b
   const auto k = head_map(p, p.k, p.hkv, p.k_stride, block_n);
   const auto v = head_map(p, p.v, p.hkv, p.v_stride, block_n);
   if (!q || !k || !v) return std::nullopt;
-  const auto o = head_map(p, p.out, p.hq, p.out_stride, block_m);
+  const auto o = head_map(p, p.out, p.hq, p.out_stride, 64);  // a warpgroup's rows
   return WgMaps{*q, *k, *v, o ? *o : CUtensorMap{}, o.has_value()};
 }
 
@@ -1117,7 +1124,7 @@ void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
   FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
                 C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
                 std::numeric_limits<int>::max(), ")");
-  a.tensor_stores = maps.has_o && C::kD == 64;
+  a.tensor_stores = maps.has_o;
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(
       a, maps.q, maps.k, maps.v, maps.o);
   FUSEKIT_CUDA_CHECK_LAUNCH("wg_attention_kernel");
