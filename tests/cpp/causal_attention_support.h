@@ -105,6 +105,7 @@ struct AttentionLayouts {
   // A dim of (B, H, T) (or T of the [T, D] form: 0) along which q, k, v, out and lse are viewed
   // through a negative stride; -1: none.
   int flip_dim = -1;
+  bool flip_outputs_only = false;  // flip_dim for out and lse, q, k and v as they are
   std::int64_t counts_stride = 1;  // per-sequence counts this many int32 apart
 };
 
@@ -150,6 +151,8 @@ inline const AttentionLayoutCase kAttentionLayouts[] = {
     // heads backwards, rows padded
     {"flipped_h_padded",
      {.out = {{}, 1, 0}, .q = {{}, 2, 0}, .k = {{}, 3, 0}, .v = {{}, 1, 0}, .flip_dim = 1}},
+    // T backwards in out and lse only (the inputs fit tensor maps, out does not)
+    {"flipped_t_out", {.flip_dim = 2, .flip_outputs_only = true}},
     // the batch backwards in [B, T, H, D] memory
     {"flipped_b_bthd",
      {.out = {{0, 2, 1, 3}, 0, 0},
@@ -247,13 +250,13 @@ inline AttentionTensors upload_attention(const AttentionInputs& in, const Attent
     q_shape = kv_shape = {c.t, c.d};
     lse_shape = {c.t};
   }
-  const bool flip = layouts.flip_dim >= 0;
+  const bool flip = layouts.flip_dim >= 0, flip_inputs = flip && !layouts.flip_outputs_only;
   auto input = [&](const HostTensor& x, const std::vector<std::int64_t>& shape,
                    const Layout& layout) {
     const HostTensor shaped = reshaped(x, shape);
     DeviceTensor d =
-        upload(flip ? flipped(shaped, layouts.flip_dim) : shaped, c.dtype, device, layout);
-    if (flip) flip_view(d, layouts.flip_dim);
+        upload(flip_inputs ? flipped(shaped, layouts.flip_dim) : shaped, c.dtype, device, layout);
+    if (flip_inputs) flip_view(d, layouts.flip_dim);
     return d;
   };
   AttentionTensors t;

@@ -304,7 +304,8 @@ TEST_F(AttentionCudaNamedKernel, WarpgroupKernelThatDoesNotFitIsAnError) {
 // fast copies wherever the layout allows them (odd row strides and bases one element past an
 // aligned address must not take them); with D = 17, element by element. The second and third
 // cases have enough blocks for the many-blocks warpgroup kernel (at D = 128 two warpgroups a
-// block, each storing its own rows), the others run few.
+// block, each storing its own rows), the others run few. Where out fits no tensor map but takes
+// 16-byte pieces (flipped_t_out), the warpgroup kernel's threads copy its staged rows.
 class AttentionCudaLayouts
     : public CudaTest<::testing::TestWithParam<std::tuple<Precision, AttentionLayoutCase>>> {};
 
