@@ -395,8 +395,7 @@ template <int kD, int kTileRows, typename T, typename O>
 __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, int h, int row0,
                                                   int pad, unsigned char* staged, int barrier,
                                                   const float (&l_part)[2], const float (&m)[2],
-                                                  const O& o,
-                                                  const CUtensorMap* o_map = nullptr) {
+                                                  const O& o, const CUtensorMap* o_map) {
   const int wg_tid = threadIdx.x % 128, g = (wg_tid % 32) / 4, t4 = wg_tid % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -1081,10 +1080,10 @@ void launch_head_dim(const Args& a, int device, cudaStream_t stream) {
   }
 }
 
-// The tensor maps of the warpgroup kernel; out's only where its layout fits one (has_o).
+// The tensor maps of the warpgroup kernel; out's only where its layout fits one.
 struct WgMaps {
-  CUtensorMap q, k, v, o;
-  bool has_o;
+  CUtensorMap q, k, v;
+  std::optional<CUtensorMap> o;
 };
 
 // The map of q, k, v or out [B, H, T, D] (strides of b, h, t in `stride`), in boxes of 64 columns
@@ -1109,8 +1108,7 @@ std::optional<WgMaps> wg_maps(const CausalAttentionParams& p, int block_m, int b
   const auto k = head_map(p, p.k, p.hkv, p.k_stride, block_n);
   const auto v = head_map(p, p.v, p.hkv, p.v_stride, block_n);
   if (!q || !k || !v) return std::nullopt;
-  const auto o = head_map(p, p.out, p.hq, p.out_stride, 64);  // a warpgroup's rows
-  return WgMaps{*q, *k, *v, o ? *o : CUtensorMap{}, o.has_value()};
+  return WgMaps{*q, *k, *v, head_map(p, p.out, p.hq, p.out_stride, 64)};  // a warpgroup's rows
 }
 
 template <typename C>
@@ -1125,9 +1123,9 @@ void launch_wg(Args a, const WgMaps& maps, int device, cudaStream_t stream) {
   FUSEKIT_CHECK(blocks <= std::numeric_limits<int>::max(), kOp, ": B * Hq * ceil(T / ",
                 C::kBlockM, ") = ", blocks, " blocks, more than one launch takes (",
                 std::numeric_limits<int>::max(), ")");
-  a.tensor_stores = maps.has_o;
+  a.tensor_stores = maps.o.has_value();
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSharedBytes, stream>>>(
-      a, maps.q, maps.k, maps.v, maps.o);
+      a, maps.q, maps.k, maps.v, maps.o.value_or(CUtensorMap{}));
   FUSEKIT_CUDA_CHECK_LAUNCH("wg_attention_kernel");
 }
 
