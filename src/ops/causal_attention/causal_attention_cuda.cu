@@ -469,24 +469,15 @@ struct Config {
   static_assert(kStages >= 2);
 };
 
-// One row's step of the online softmax over a tile, by the four lanes of the quad that holds the
-// row: `score(n, e)` is this lane's score e (0 or 1) of chunk n < kChunks (a reference, replaced
-// by its exponential). Updates the running max m (log2 units, the scale folded in) and this
-// lane's part of the running sum l, and returns the factor the row's output must take. Max and
-// sum run in kPartial independent chains (a power of two), so that their latencies overlap.
-// With kLazy the running max moves only where the tile's exceeds it by more than
-// kLazyRescaleLog2, and `moved` is then set: below that the exponentials are taken against the
-// old max (values up to 2^kLazyRescaleLog2, which float32 sums and half-precision P hold at
-// their full relative precision) and the factor is exactly 1, so that a warp none of whose rows
-// moved can skip its output's rescale.
-constexpr float kLazyRescaleLog2 = 8.0f;
-
-template <int kChunks, int kPartial, bool kLazy = false, typename Score>
-__device__ __forceinline__ float softmax_row(Score score, float scale_log2, float& m_run,
-                                             float& l_run, bool* moved = nullptr) {
+// The online softmax of one row over a tile, by the four lanes of the quad that holds the row:
+// `score(n, e)` is this lane's score e (0 or 1) of chunk n < kChunks (a reference). The max and
+// the sum run in kPartial independent chains (a power of two), so that their latencies overlap.
+// The chains start from their first values, not from -inf and 0: fmaxf(-inf, v) and 0 + v are
+// instructions the compiler may not drop (NaN, -0). First, this lane's max of the row's scores
+// (unscaled):
+template <int kChunks, int kPartial, typename Score>
+__device__ __forceinline__ float lane_row_max(Score score) {
   static_assert(kPartial >= 1 && (kPartial & (kPartial - 1)) == 0 && kChunks >= kPartial);
-  // The chains start from their first values, not from -inf and 0: fmaxf(-inf, v) and 0 + v
-  // are instructions the compiler may not drop (NaN, -0).
   float part[kPartial];
 #pragma unroll
   for (int n = 0; n < kChunks; ++n) {
@@ -498,18 +489,13 @@ __device__ __forceinline__ float softmax_row(Score score, float scale_log2, floa
 #pragma unroll
     for (int x = 0; x < w; ++x) part[x] = fmaxf(part[x], part[x + w]);
   }
-  float mx = part[0];
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  float m_new = fmaxf(m_run, mx * scale_log2);
-  if constexpr (kLazy) {
-    const bool move = m_new > m_run + kLazyRescaleLog2;  // always from -inf, to a finite max
-    m_new = move ? m_new : m_run;
-    *moved = *moved || move;
-  }
-  const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
-  const float alpha = fast_exp2(m_run - m_use);
-  m_run = m_new;
+  return part[0];
+}
+
+// Replaces this lane's scores of the row by exp2(scale_log2 score - m_use) and returns their sum.
+template <int kChunks, int kPartial, typename Score>
+__device__ __forceinline__ float lane_row_exp_sum(Score score, float scale_log2, float m_use) {
+  float part[kPartial];
 #pragma unroll
   for (int n = 0; n < kChunks; ++n) {
 #pragma unroll
@@ -524,8 +510,43 @@ __device__ __forceinline__ float softmax_row(Score score, float scale_log2, floa
 #pragma unroll
     for (int x = 0; x < w; ++x) part[x] += part[x + w];
   }
-  l_run = l_run * alpha + part[0];
+  return part[0];
+}
+
+// One row's step over a tile, from this lane's max of it (lane_row_max): updates the running max
+// m (log2 units, the scale folded in) and this lane's part of the running sum l, replaces the
+// scores by their exponentials, and returns the factor the row's output must take. With kLazy
+// the running max moves only where the tile's exceeds it by more than kLazyRescaleLog2, and
+// `moved` is then set: below that the exponentials are taken against the old max (values up to
+// 2^kLazyRescaleLog2, which float32 sums and half-precision P hold at their full relative
+// precision) and the factor is exactly 1, so that a warp none of whose rows moved can skip its
+// output's rescale.
+constexpr float kLazyRescaleLog2 = 8.0f;
+
+template <int kChunks, int kPartial, bool kLazy = false, typename Score>
+__device__ __forceinline__ float softmax_row(float lane_max, Score score, float scale_log2,
+                                             float& m_run, float& l_run, bool* moved = nullptr) {
+  float mx = lane_max;
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  float m_new = fmaxf(m_run, mx * scale_log2);
+  if constexpr (kLazy) {
+    const bool move = m_new > m_run + kLazyRescaleLog2;  // always from -inf, to a finite max
+    m_new = move ? m_new : m_run;
+    *moved = *moved || move;
+  }
+  const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet
+  const float alpha = fast_exp2(m_run - m_use);
+  m_run = m_new;
+  l_run = l_run * alpha + lane_row_exp_sum<kChunks, kPartial>(score, scale_log2, m_use);
   return alpha;
+}
+
+template <int kChunks, int kPartial, bool kLazy = false, typename Score>
+__device__ __forceinline__ float softmax_row(Score score, float scale_log2, float& m_run,
+                                             float& l_run, bool* moved = nullptr) {
+  return softmax_row<kChunks, kPartial, kLazy>(lane_row_max<kChunks, kPartial>(score), score,
+                                               scale_log2, m_run, l_run, moved);
 }
 
 // Folds another part's softmax state of a row (m_other, l_other) into (m, l), for parts that
@@ -904,34 +925,55 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         wgmma_fence_operands(s);
         if constexpr (C::kSplitRelease) hand_back(empty + slot);  // K is read
 
-        // Keys after a row's diagonal (the rows past the keys' range among them) get no weight.
+        // Keys after a row's diagonal (the rows past the keys' range among them) get no weight:
+        // key j0 + 8 n + 2 t4 + (e & 1) against row warp_row0 + g + 8 (e >> 1), with the
+        // per-row part on the right so that each element's test is against a constant.
         if (j0 + kBlockN - 1 > warp_row0) {
+          const int last[2] = {warp_row0 + g - j0 - 2 * t4, warp_row0 + g + 8 - j0 - 2 * t4};
 #pragma unroll
           for (int n = 0; n < kBlockN / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int key = j0 + n * 8 + 2 * t4 + (e & 1);
-              const int row = warp_row0 + g + (e >> 1) * 8;
-              if (key > row) s[4 * n + e] = -INFINITY;
+              if (n * 8 + (e & 1) > last[e >> 1]) s[4 * n + e] = -INFINITY;
             }
           }
         }
 
-        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3); the output is
+        // Online softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3). Where no lane's
+        // scores pass its rows' running max by more than kLazyRescaleLog2, softmax_row would keep
+        // the max and give a factor of exactly 1: the warp then takes the exponentials against
+        // the running max without the quads' shuffles for the tile's max. Otherwise the output is
         // rescaled only where a row of the warp moved its max (softmax_row's kLazy).
-        float alpha[2];
-        bool moved = false;
+        const auto score = [&](int r) {
+          return [&s, r](int n, int e) -> float& { return s[4 * n + 2 * r + e]; };
+        };
+        float lane_max[2];
+        bool keep = true;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          alpha[r] = softmax_row<kBlockN / 8, 4, true>(
-              [&](int n, int e) -> float& { return s[4 * n + 2 * r + e]; }, a.scale_log2,
-              m_run[r], l_run[r], &moved);
+          lane_max[r] = lane_row_max<kBlockN / 8, 4>(score(r));
+          keep = keep && m_run[r] > -INFINITY &&
+                 lane_max[r] * a.scale_log2 <= m_run[r] + kLazyRescaleLog2;
         }
-        if (__any_sync(0xffffffffu, moved)) {
+        if (__all_sync(0xffffffffu, keep)) {
 #pragma unroll
-          for (int n = 0; n < kD / 8; ++n) {
+          for (int r = 0; r < 2; ++r) {
+            l_run[r] += lane_row_exp_sum<kBlockN / 8, 4>(score(r), a.scale_log2, m_run[r]);
+          }
+        } else {
+          float alpha[2];
+          bool moved = false;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o[4 * n + e] *= alpha[e / 2];
+          for (int r = 0; r < 2; ++r) {
+            alpha[r] = softmax_row<kBlockN / 8, 4, true>(lane_max[r], score(r), a.scale_log2,
+                                                         m_run[r], l_run[r], &moved);
+          }
+          if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) o[4 * n + e] *= alpha[e / 2];
+            }
           }
         }
 
