@@ -54,31 +54,28 @@ __device__ void add_block_sum(float v, float* out) {
   }
 }
 
-// Loads of 16 bytes striding over the whole buffer, four in flight a thread.
-__global__ void __launch_bounds__(kThreads) grid_stride(const float4* x, std::size_t n4, float* out) {
-  const std::size_t stride = std::size_t{gridDim.x} * kThreads;
-  std::size_t i = std::size_t{blockIdx.x} * kThreads + threadIdx.x;
+// The sum of x[i], x[i + stride], ... below `end`, four loads in flight.
+__device__ float sum_strided(const float4* x, std::size_t i, std::size_t end, std::size_t stride) {
   float s = 0.0f;
-  for (; i + 3 * stride < n4; i += 4 * stride) {
+  for (; i + 3 * stride < end; i += 4 * stride) {
     s += sum4(__ldg(x + i)) + sum4(__ldg(x + i + stride)) + sum4(__ldg(x + i + 2 * stride)) +
          sum4(__ldg(x + i + 3 * stride));
   }
-  for (; i < n4; i += stride) s += sum4(__ldg(x + i));
-  add_block_sum(s, out);
+  for (; i < end; i += stride) s += sum4(__ldg(x + i));
+  return s;
 }
 
-// A block a chunk of `chunk4` pieces of 16 bytes, loaded directly, four in flight a thread.
+// Loads of 16 bytes striding over the whole buffer.
+__global__ void __launch_bounds__(kThreads) grid_stride(const float4* x, std::size_t n4, float* out) {
+  const std::size_t first = std::size_t{blockIdx.x} * kThreads + threadIdx.x;
+  add_block_sum(sum_strided(x, first, n4, std::size_t{gridDim.x} * kThreads), out);
+}
+
+// A block a chunk of `chunk4` pieces of 16 bytes, loaded directly.
 __global__ void __launch_bounds__(kThreads)
     direct_chunks(const float4* x, std::size_t n4, std::size_t chunk4, float* out) {
   const std::size_t lo = blockIdx.x * chunk4, hi = min(n4, lo + chunk4);
-  std::size_t i = lo + threadIdx.x;
-  float s = 0.0f;
-  for (; i + 3 * kThreads < hi; i += 4 * kThreads) {
-    s += sum4(__ldg(x + i)) + sum4(__ldg(x + i + kThreads)) + sum4(__ldg(x + i + 2 * kThreads)) +
-         sum4(__ldg(x + i + 3 * kThreads));
-  }
-  for (; i < hi; i += kThreads) s += sum4(__ldg(x + i));
-  add_block_sum(s, out);
+  add_block_sum(sum_strided(x, lo + threadIdx.x, hi, kThreads), out);
 }
 
 // A block a chunk, brought into shared memory by one bulk copy and summed there (the form of the
