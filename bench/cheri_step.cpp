@@ -20,23 +20,18 @@
 #include <random>
 #include <vector>
 
+#include "common/cuda_check.h"
+
 namespace {
 
 using fusekit::DType;
 using fusekit::TensorView;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "fusekit_cheri_step: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-
 // A device buffer of `bytes`, zeroed (freed at exit).
 void* device_bytes(std::size_t bytes) {
   void* p = nullptr;
-  check(cudaMalloc(&p, bytes), "cudaMalloc");
-  check(cudaMemset(p, 0, bytes), "cudaMemset");
+  FUSEKIT_CUDA_CHECK(cudaMalloc(&p, bytes));
+  FUSEKIT_CUDA_CHECK(cudaMemset(p, 0, bytes));
   return p;
 }
 
@@ -46,11 +41,11 @@ float* device_normal(std::size_t n, float scale, std::mt19937& gen) {
   std::vector<float> host(n);
   for (float& v : host) v = scale * dist(gen);
   auto* p = static_cast<float*>(device_bytes(n * sizeof(float)));
-  check(cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  FUSEKIT_CUDA_CHECK(cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
   return p;
 }
 
-// The tool's work; fusekit::Error is caught by main.
+// The tool's work; fusekit::Error (from the library or a failed CUDA call) is caught by main.
 int run(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr, "usage: %s N L [C [d [steps [timed]]]]\n", argv[0]);
@@ -102,26 +97,27 @@ int run(int argc, char** argv) {
                        {saved_bytes}, cuda)
           : TensorView();
   const TensorView mean_v(mean, DType::Float32, {n}, cuda), rstd_v(rstd, DType::Float32, {n}, cuda);
+  const TensorView out_v(out, DType::Float32, {n, l, c}, cuda),
+      grad_x_v(grad_x, DType::Float32, {n, l, c}, cuda),
+      grad_out_v(grad_out, DType::Float32, {n, l, c}, cuda);
 
   const auto step = [&] {
-    fusekit::cheri_block(TensorView(out, DType::Float32, {n, l, c}, cuda), mean_v, rstd_v, saved,
-                         xv, weights, options);
-    fusekit::cheri_block_backward(TensorView(grad_x, DType::Float32, {n, l, c}, cuda), grads,
-                                  TensorView(grad_out, DType::Float32, {n, l, c}, cuda), xv,
-                                  weights, mean_v, rstd_v, saved, options);
+    fusekit::cheri_block(out_v, mean_v, rstd_v, saved, xv, weights, options);
+    fusekit::cheri_block_backward(grad_x_v, grads, grad_out_v, xv, weights, mean_v, rstd_v, saved,
+                                  options);
   };
   for (int i = 0; i < steps; ++i) step();
-  check(cudaDeviceSynchronize(), "the steps");
+  FUSEKIT_CUDA_CHECK(cudaDeviceSynchronize());
   if (timed > 0) {
     cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
-    check(cudaEventRecord(start), "cudaEventRecord");
+    FUSEKIT_CUDA_CHECK(cudaEventCreate(&start));
+    FUSEKIT_CUDA_CHECK(cudaEventCreate(&stop));
+    FUSEKIT_CUDA_CHECK(cudaEventRecord(start));
     for (int i = 0; i < timed; ++i) step();
-    check(cudaEventRecord(stop), "cudaEventRecord");
-    check(cudaEventSynchronize(stop), "the timed steps");
+    FUSEKIT_CUDA_CHECK(cudaEventRecord(stop));
+    FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     std::printf("cheri_block training step N%lld L%lld C%lld d%lld: %.1f us (mean of %d, back to "
                 "back)\n",
                 static_cast<long long>(n), static_cast<long long>(l), static_cast<long long>(c),
