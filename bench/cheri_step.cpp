@@ -1,7 +1,8 @@
 // One cheri_block training step through the C++ API, for timing it kernel by kernel: the
 // forward that keeps y for the backward, then the backward, float32 with TF32 allowed (as the
 // model trains), C = 128 channels unless given, expansion 2, dilation d. Runs `steps` steps, then
-// times `timed` more back to back with CUDA events (no flush) and prints their mean.
+// times `timed` more back to back with CUDA events (no flush) and prints their mean, with the
+// host's time in the calls per step (below the mean, the GPU bounds it).
 //
 //   build/.../fusekit_cheri_step N L [C [d [steps [timed]]]]      (defaults C 128, d 4, 2, 20)
 //
@@ -14,6 +15,7 @@
 #include <fusekit/fusekit.h>
 
 #include <cmath>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -113,15 +115,18 @@ int run(int argc, char** argv) {
     FUSEKIT_CUDA_CHECK(cudaEventCreate(&start));
     FUSEKIT_CUDA_CHECK(cudaEventCreate(&stop));
     FUSEKIT_CUDA_CHECK(cudaEventRecord(start));
+    const auto host_start = std::chrono::steady_clock::now();
     for (int i = 0; i < timed; ++i) step();
+    const std::chrono::duration<double, std::micro> host =
+        std::chrono::steady_clock::now() - host_start;
     FUSEKIT_CUDA_CHECK(cudaEventRecord(stop));
     FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0.0f;
     FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     std::printf("cheri_block training step N%lld L%lld C%lld d%lld: %.1f us (mean of %d, back to "
-                "back)\n",
+                "back; the host's calls %.1f us a step)\n",
                 static_cast<long long>(n), static_cast<long long>(l), static_cast<long long>(c),
-                static_cast<long long>(d), 1000.0 * ms / timed, timed);
+                static_cast<long long>(d), 1000.0 * ms / timed, timed, host.count() / timed);
   }
   return 0;
 }

@@ -952,14 +952,25 @@ __device__ __forceinline__ void load_sum_piece(const In* part, In (&v)[V]) {
 /// loads issued together, and the warps' sums are added in order of w. With `segments`, a
 /// range's sums go to segments [gridDim.y, width] for a second pass over them; else column j
 /// goes to dst[j / cols, j % cols], or column quad_order(j) where part's columns are in quad
-/// order (cols a multiple of 32).
+/// order (cols a multiple of 32). Blocks with z = 1 do the same for part_b, dst_b and cols_b (a
+/// second sum of the same shape in the same launch).
 template <typename In, int V>
 __global__ void __launch_bounds__(kSumWarps* kWarpSize)
-    sum_partials_kernel(const In* part, std::int64_t count, std::int64_t width, std::int64_t per,
-                        double* segments, const CheriMatrix dst, std::int64_t cols, bool quad) {
+    sum_partials_kernel(const In* part_a, std::int64_t count, std::int64_t width,
+                        std::int64_t per, double* segments, const CheriMatrix dst_a,
+                        std::int64_t cols_a, bool quad, const In* part_b, const CheriMatrix dst_b,
+                        std::int64_t cols_b) {
   __shared__ double red[kSumWarps][V][kWarpSize];
   allow_dependents();
   wait_for_prerequisites();  // launched as a dependent of the kernel that wrote part
+  // the second sum's arguments where z = 1, selected field by field (the parameters stay in place)
+  const bool b = blockIdx.z == 1;
+  const In* const part = b ? part_b : part_a;
+  const CheriMatrix dst{b ? dst_b.data : dst_a.data,
+                        b ? dst_b.dtype : dst_a.dtype,
+                        {b ? dst_b.stride[0] : dst_a.stride[0],
+                         b ? dst_b.stride[1] : dst_a.stride[1]}};
+  const std::int64_t cols = b ? cols_b : cols_a;
   const std::int64_t from = (blockIdx.x * std::int64_t{kWarpSize} + threadIdx.x) * V;
   const std::int64_t r1 = std::min(count, (blockIdx.y + 1) * per);
   double s[V] = {};
@@ -2932,16 +2943,19 @@ const float* dense_float32(const CheriMatrix& m, std::int64_t rows, std::int64_t
   return dst;
 }
 
-/// One pass of sum_partials_kernel over part [count, width], ranges of `per` rows a block.
+/// One pass of sum_partials_kernel over part [count, width], ranges of `per` rows a block; with
+/// part_b, over it too (into dst_b, cols_b) in the same launch.
 template <typename In>
 void sum_partials_pass(const In* part, std::int64_t count, std::int64_t width, std::int64_t per,
                        double* segments, const CheriMatrix& dst, std::int64_t cols, bool quad,
-                       int device, cudaStream_t stream) {
+                       int device, cudaStream_t stream, const In* part_b = nullptr,
+                       const CheriMatrix& dst_b = {}, std::int64_t cols_b = 0) {
   const auto launch = [&](auto kernel, int v) {
     const dim3 grid(static_cast<unsigned>(ceil_div(width, std::int64_t{kWarpSize} * v)),
-                    static_cast<unsigned>(std::max<std::int64_t>(1, ceil_div(count, per))));
+                    static_cast<unsigned>(std::max<std::int64_t>(1, ceil_div(count, per))),
+                    part_b ? 2 : 1);
     launch_dependent(kernel, grid, dim3(kWarpSize, kSumWarps), 0, device, stream, part, count,
-                     width, per, segments, dst, cols, quad);
+                     width, per, segments, dst, cols, quad, part_b, dst_b, cols_b);
   };
   if (width % 4 == 0) {
     launch(sum_partials_kernel<In, 4>, 4);
@@ -2949,6 +2963,10 @@ void sum_partials_pass(const In* part, std::int64_t count, std::int64_t width, s
     launch(sum_partials_kernel<In, 1>, 1);
   }
 }
+
+/// Rows of part that sum_partials takes in one pass (32 a thread), and the ranges of its first
+/// pass where there are more (16 a thread).
+constexpr std::int64_t kSumOnePassRows = 32 * kSumWarps, kSumRangeRows = 16 * kSumWarps;
 
 /// dst[j / cols, j % cols] = the sum over i of part[i, j] (part [count, width], 256-byte aligned),
 /// in double and an order fixed by the shapes; with `quad`, part's columns are in quad order. Up
@@ -2958,7 +2976,6 @@ void sum_partials_pass(const In* part, std::int64_t count, std::int64_t width, s
 void sum_partials(const float* part, std::int64_t count, std::int64_t width,
                   const CheriMatrix& dst, std::int64_t cols, int device, cudaStream_t stream,
                   bool quad = false) {
-  constexpr std::int64_t kSumOnePassRows = 32 * kSumWarps, kSumRangeRows = 16 * kSumWarps;
   constexpr std::int64_t kMaxRanges = 65535;  // gridDim.y
   if (width == 0) return;
   if (count <= kSumOnePassRows) {
@@ -2972,6 +2989,22 @@ void sum_partials(const float* part, std::int64_t count, std::int64_t width,
   sum_partials_pass(part, count, width, per, ws.as<double>(), dst, cols, quad, device, stream);
   sum_partials_pass(ws.as<const double>(), ranges, width, ranges, nullptr, dst, cols, quad, device,
                     stream);
+}
+
+/// sum_partials of two parts of the same shape (dst_a and dst_b with cols_a and cols_b), in one
+/// launch where each takes one pass.
+void sum_partials_both(const float* part_a, const float* part_b, std::int64_t count,
+                       std::int64_t width, const CheriMatrix& dst_a, std::int64_t cols_a,
+                       const CheriMatrix& dst_b, std::int64_t cols_b, int device,
+                       cudaStream_t stream, bool quad) {
+  if (width == 0) return;
+  if (count <= kSumOnePassRows) {
+    sum_partials_pass(part_a, count, width, std::max<std::int64_t>(count, 1), nullptr, dst_a,
+                      cols_a, quad, device, stream, part_b, dst_b, cols_b);
+    return;
+  }
+  sum_partials(part_a, count, width, dst_a, cols_a, device, stream, quad);
+  sum_partials(part_b, count, width, dst_b, cols_b, device, stream, quad);
 }
 
 /// Calls f(std::integral_constant<int, V>) with V = 16 bytes of T when `vector`, else 1.
@@ -3617,8 +3650,8 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
                              p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
                              nullptr, RowMeans{}, device, stream);
-  sum_partials(part2, grid, kC * kH, p.grad_linear2, kH, device, stream, true);
-  sum_partials(part1, grid, kH * kC, p.grad_linear1, kC, device, stream, true);
+  sum_partials_both(part2, part1, grid, kC * kH, p.grad_linear2, kH, p.grad_linear1, kC, device,
+                    stream, true);
   if (scaled_dy) {
     conv_norm_backward<float, __half>(p, conv_w, dy, true, device, stream, means, dy_exps);
   } else {
