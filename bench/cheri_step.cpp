@@ -14,8 +14,8 @@
 #include <cuda_runtime.h>
 #include <fusekit/fusekit.h>
 
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
