@@ -13,10 +13,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "common/bulk_copy.cuh"
+#include "common/cuda_check.h"
 
 namespace {
 
@@ -31,13 +31,6 @@ using fusekit::detail::mbarrier_wait;
 #endif
 
 constexpr int kThreads = 256;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 __device__ float sum4(float4 a) { return a.x + a.y + a.z + a.w; }
 
@@ -153,48 +146,44 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
-}  // namespace
-
-int main() {
+// The tool's work; a failed CUDA call throws fusekit::Error, which main reports.
+int run() {
   int sms = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "device attribute");
+  FUSEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, 0), "device properties");
+  FUSEKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# %s, %d SMs; median of 25 launches, each after a flush of L2 by writing 256 MB\n",
               prop.name, sms);
   const std::size_t max_n = std::size_t{512} * 1024 * 128;
   constexpr std::size_t kFlushBytes = std::size_t{256} << 20;
   float *x = nullptr, *out = nullptr;
   void* flush = nullptr;
-  check(cudaMalloc(&x, max_n * 4), "cudaMalloc x");
-  check(cudaMalloc(&out, std::size_t{1} << 24), "cudaMalloc out");
-  check(cudaMalloc(&flush, kFlushBytes), "cudaMalloc flush");
-  check(cudaMemset(x, 0, max_n * 4), "cudaMemset x");
+  FUSEKIT_CUDA_CHECK(cudaMalloc(&x, max_n * 4));
+  FUSEKIT_CUDA_CHECK(cudaMalloc(&out, std::size_t{1} << 24));
+  FUSEKIT_CUDA_CHECK(cudaMalloc(&flush, kFlushBytes));
+  FUSEKIT_CUDA_CHECK(cudaMemset(x, 0, max_n * 4));
   cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event");
-  check(cudaEventCreate(&stop), "event");
-  check(cudaFuncSetAttribute(staged_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize, 48 << 10),
-        "shared memory");
-  check(cudaFuncSetAttribute(ring<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10),
-        "shared memory");
-  check(cudaFuncSetAttribute(ring<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10),
-        "shared memory");
-  check(cudaFuncSetAttribute(ring<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10),
-        "shared memory");
+  FUSEKIT_CUDA_CHECK(cudaEventCreate(&start));
+  FUSEKIT_CUDA_CHECK(cudaEventCreate(&stop));
+  constexpr auto kSmem = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(staged_chunks, kSmem, 48 << 10));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(ring<3>, kSmem, 200 << 10));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(ring<4>, kSmem, 200 << 10));
+  FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(ring<6>, kSmem, 200 << 10));
 
   const auto time = [&](const char* name, std::size_t bytes, auto launch) {
     std::vector<float> us;
     for (int r = 0; r < 25; ++r) {
-      check(cudaMemsetAsync(flush, r, kFlushBytes), "flush");
-      check(cudaEventRecord(start), "event");
+      FUSEKIT_CUDA_CHECK(cudaMemsetAsync(flush, r, kFlushBytes));
+      FUSEKIT_CUDA_CHECK(cudaEventRecord(start));
       launch();
-      check(cudaEventRecord(stop), "event");
-      check(cudaEventSynchronize(stop), name);
+      FUSEKIT_CUDA_CHECK(cudaEventRecord(stop));
+      FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
       float ms = 0.0f;
-      check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
       us.push_back(ms * 1000.0f);
     }
-    check(cudaGetLastError(), name);
+    FUSEKIT_CUDA_CHECK(cudaGetLastError());
     std::sort(us.begin(), us.end());
     const float median = us[us.size() / 2];
     std::printf("%-40s %8.1f us  %5.2f TB/s\n", name, median, bytes / median / 1e6);
@@ -239,4 +228,15 @@ int main() {
          [&] { ring<6><<<sms * 4, kThreads, 48 << 10>>>(x, n, k8, out); });
   }
   return 0;
+}
+
+}  // namespace
+
+int main() {
+  try {
+    return run();
+  } catch (const fusekit::Error& e) {
+    std::fprintf(stderr, "fusekit_read_strategies: %s\n", e.what());
+    return 1;
+  }
 }
