@@ -234,6 +234,57 @@ __global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std
   }
 }
 
+/// What the backward's front path reads of the weights besides their elements, one value per row j
+/// of linear1 [E C, C] and of W2^T [E C, C]: [kWeightRowFacts][E C] floats, computed once a call
+/// (backward_weights_kernel), where every block of the front and weight-gradient kernels used to
+/// read both matrices for them (16 us of a training step at N64 L2114 C128 on H100).
+enum WeightRowFact : int {
+  kRowSum,      // sum_c W1[j, c]: u, whose products with dg give the norm's row sums
+  kRowNorm1,    // |W1[j, :]|
+  kRowNorm2,    // |W2^T[j, :]|
+  kRowLargest,  // max_c |W1[j, c]|, found as bits (a NaN of the row above infinity)
+  kWeightRowFacts
+};
+
+/// The front path's weights in one launch: the first `fact_blocks` blocks take a row j of linear1
+/// (`w1`, dense) a warp and write its WeightRowFacts into `facts`; the others pack W2^T dense
+/// (`w2t_src`: linear2 seen transposed) into `w2t`, as pack_matrix_kernel does.
+__global__ void __launch_bounds__(kThreads)
+    backward_weights_kernel(const float* w1, const CheriMatrix w2t_src, std::int64_t hidden,
+                            std::int64_t c, float* w2t, float* facts, unsigned fact_blocks) {
+  if (blockIdx.x < fact_blocks) {
+    constexpr int kWarps = kThreads / kWarpSize;
+    const std::int64_t j = blockIdx.x * std::int64_t{kWarps} + threadIdx.x / kWarpSize;
+    if (j >= hidden) return;
+    float sum = 0.0f, square1 = 0.0f, square2 = 0.0f;
+    int largest = 0;  // non-negative floats order as their bits
+    for (std::int64_t k = threadIdx.x % kWarpSize; k < c; k += kWarpSize) {
+      const float a = w1[j * c + k], b = load_weight(w2t_src, j, k);
+      sum += a;
+      square1 = fmaf(a, a, square1);
+      square2 = fmaf(b, b, square2);
+      largest = max(largest, __float_as_int(fabsf(a)));
+    }
+    sum = warp_sum(sum);
+    square1 = warp_sum(square1);
+    square2 = warp_sum(square2);
+    largest = __reduce_max_sync(0xffffffffu, largest);
+    if (threadIdx.x % kWarpSize == 0) {
+      facts[kRowSum * hidden + j] = sum;
+      facts[kRowNorm1 * hidden + j] = sqrtf(square1);
+      facts[kRowNorm2 * hidden + j] = sqrtf(square2);
+      facts[kRowLargest * hidden + j] = __int_as_float(largest);
+    }
+    return;
+  }
+  const std::int64_t total = hidden * c;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x - fact_blocks) * blockDim.x;
+  for (std::int64_t i = (blockIdx.x - fact_blocks) * std::int64_t{blockDim.x} + threadIdx.x;
+       i < total; i += step) {
+    w2t[i] = load_weight(w2t_src, i / c, i % c);
+  }
+}
+
 /// A thread's running sums of the statistics pass: its values' count, and the sums of the values
 /// and their squares, shifted by its first value so that the sums do not cancel.
 struct ShiftedSums {
@@ -2240,7 +2291,8 @@ __device__ __forceinline__ float power_of_two(int e) { return __int_as_float((e 
 template <int kC, bool kSaved>
 __global__ void __launch_bounds__(kThreads, 1)
     cheri_backward_front_kernel(const CheriBlockParams p, const float* conv_w, const float* w1,
-                                const float* w2t, const FrontOut out, float* row_sums) {
+                                const float* w2t, const float* weight_facts, const FrontOut out,
+                                float* row_sums) {
   using T = float;
   constexpr int kLdX = kXTileLd<kC>;
   constexpr int kKSteps = kC / 16;
@@ -2261,21 +2313,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i < 3 * kC; i += kThreads) cw[i] = conv_w[i];
   if (threadIdx.x < 2) norms[threadIdx.x] = 0.0f;
   __syncthreads();
+  // weight_facts come from the launch before this one, which has completed (this kernel is not
+  // launched as a dependent)
   for (int j = threadIdx.x; j < hidden; j += kThreads) {
-    float sum = 0.0f, square1 = 0.0f, square2 = 0.0f;
-    const auto* a4 = reinterpret_cast<const float4*>(w1 + static_cast<std::size_t>(j) * kC);
-    const auto* b4 = reinterpret_cast<const float4*>(w2t + static_cast<std::size_t>(j) * kC);
-#pragma unroll 8
-    for (int c = 0; c < kC / 4; ++c) {
-      const float4 a = __ldg(a4 + c), b = __ldg(b4 + c);
-      sum += (a.x + a.y) + (a.z + a.w);
-      square1 = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, square1))));
-      square2 = fmaf(b.x, b.x, fmaf(b.y, b.y, fmaf(b.z, b.z, fmaf(b.w, b.w, square2))));
-    }
-    u[j] = sum;
+    u[j] = weight_facts[kRowSum * hidden + j];
     // non-negative floats order as their bits (NaN, bits above infinity's, wins too)
-    atomicMax(reinterpret_cast<int*>(norms), __float_as_int(sqrtf(square1)));
-    atomicMax(reinterpret_cast<int*>(norms) + 1, __float_as_int(sqrtf(square2)));
+    atomicMax(reinterpret_cast<int*>(norms), __float_as_int(weight_facts[kRowNorm1 * hidden + j]));
+    atomicMax(reinterpret_cast<int*>(norms) + 1,
+              __float_as_int(weight_facts[kRowNorm2 * hidden + j]));
   }
   fence_proxy_async_shared();  // the tensor cores read what ordinary stores wrote
   __syncthreads();
@@ -2566,8 +2611,8 @@ constexpr std::size_t grad_smem_bytes() {
 template <int MA, int NB, bool kDy, typename D>
 __global__ void __launch_bounds__(kGradThreads, 1)
     weight_grad_kernel(const __half* a, const __half* b, const int* ea, const int* eb,
-                       std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
-                       int* dy_exps, const RowMeans row_means) {
+                       std::int64_t rows, float alpha, float* part, const float* w1,
+                       const float* w1_largest, D* dy, int* dy_exps, const RowMeans row_means) {
 #ifdef FUSEKIT_WGMMA
   using S = GradShape<MA, NB>;
   constexpr int kStages = kGradStages<kDy>;
@@ -2625,15 +2670,16 @@ __global__ void __launch_bounds__(kGradThreads, 1)
     }
   };
   allow_dependents();
-  // dy's operand W1 [MA = E C][NB = C], and its exponent: the caller's weights, staged before
-  // the wait, under the previous kernel's tail.
+  // dy's operand W1 [MA = E C][NB = C], and its exponent from its rows' largest magnitudes
+  // (kRowLargest of backward_weights_kernel, two launches back): staged before the wait, under the
+  // previous kernel's tail.
   int w_exp = 0;
   if constexpr (kDy) {
     __shared__ int largest;
     if (t == 0) largest = 0;
     __syncthreads();
     int most = 0;
-    for (int i = t; i < MA * NB; i += kGradThreads) most = max(most, __float_as_int(fabsf(w1[i])));
+    for (int j = t; j < MA; j += kGradThreads) most = max(most, __float_as_int(w1_largest[j]));
     atomicMax(&largest, most);
     __syncthreads();
     w_exp = row_exponent(__int_as_float(largest));
@@ -3520,8 +3566,8 @@ bool front_fits(const CheriBlockParams& p, int device) {
 /// from the first weight-gradient kernel: RowMeans).
 template <int kC>
 void backward_front(const CheriBlockParams& p, const float* conv_w, const float* w1,
-                    const float* w2t, const FrontOut& out, float* row_sums, int device,
-                    cudaStream_t stream) {
+                    const float* w2t, const float* weight_facts, const FrontOut& out,
+                    float* row_sums, int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[2][kMaxDevices];
   const bool saved = p.saved_y != nullptr;
   const auto kernel =
@@ -3531,8 +3577,8 @@ void backward_front(const CheriBlockParams& p, const float* conv_w, const float*
   const std::int64_t rows = p.n * p.l, sms = multiprocessor_count(device);
   const auto blocks =
       static_cast<unsigned>(std::min<std::int64_t>(ceil_div(ceil_div(rows, kWgRows), 2), sms));
-  kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(p, conv_w, w1, w2t, out,
-                                                                       row_sums);
+  kernel<<<blocks, kThreads, front_smem_bytes<kC>(p.hidden), stream>>>(
+      p, conv_w, w1, w2t, weight_facts, out, row_sums);
   FUSEKIT_CUDA_CHECK_LAUNCH("cheri_backward_front_kernel");
 }
 
@@ -3565,24 +3611,35 @@ struct BackwardWeights {
   const float* w2t;
 };
 
+/// With `facts` ([kWeightRowFacts][E C], for the front path), W2^T is packed by
+/// backward_weights_kernel, which writes the rows' facts in the same launch.
 BackwardWeights backward_weights(const CheriBlockParams& p, const StreamWorkspace& ws,
                                  std::size_t o_conv, std::size_t o_w1, std::size_t o_w2,
-                                 int device, cudaStream_t stream) {
+                                 int device, cudaStream_t stream, float* facts = nullptr) {
   const std::int64_t c = p.c, h = p.hidden;
   const CheriMatrix w2_transposed{p.linear2.data, p.linear2.dtype,
                                   {p.linear2.stride[1], p.linear2.stride[0]}};
+  const float* conv_w = dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream);
+  const float* w1 = dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream);
   float* w2t = at<float>(ws, o_w2);
-  pack(w2_transposed, h, c, w2t, device, stream);
-  return {dense_float32(p.conv_weight, 3, c, at<float>(ws, o_conv), device, stream),
-          dense_float32(p.linear1, h, c, at<float>(ws, o_w1), device, stream), w2t};
+  if (facts == nullptr) {
+    pack(w2_transposed, h, c, w2t, device, stream);
+  } else {
+    const auto fact_blocks = static_cast<unsigned>(ceil_div(h, std::int64_t{kThreads / kWarpSize}));
+    backward_weights_kernel<<<fact_blocks + grid_for(h * c, device), kThreads, 0, stream>>>(
+        w1, w2_transposed, h, c, w2t, facts, fact_blocks);
+    FUSEKIT_CUDA_CHECK_LAUNCH("backward_weights_kernel");
+  }
+  return {conv_w, w1, w2t};
 }
 
 /// weight_grad_kernel over the 64-row tiles of `rows` rows on `grid` blocks (each kernel's shared
 /// memory allowed once per device).
 template <int MA, int NB, bool kDy, typename D = float>
 void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea, const int* eb,
-                 std::int64_t rows, float alpha, float* part, const float* w1, D* dy,
-                 int* dy_exps, const RowMeans& row_means, int device, cudaStream_t stream) {
+                 std::int64_t rows, float alpha, float* part, const float* w1,
+                 const float* w1_largest, D* dy, int* dy_exps, const RowMeans& row_means,
+                 int device, cudaStream_t stream) {
   static std::atomic<bool> allowed[kMaxDevices];
   const auto kernel = weight_grad_kernel<MA, NB, kDy, D>;
   constexpr std::size_t kBytes = grad_smem_bytes<MA, NB, kDy>();
@@ -3590,7 +3647,7 @@ void weight_grad(unsigned grid, const __half* a, const __half* b, const int* ea,
     return concat(kOp, ": the weight-gradient kernel (", MA, " x ", NB, ")");
   });
   launch_dependent(kernel, dim3(grid), kGradThreads, kBytes, device, stream, a, b, ea, eb, rows,
-                   alpha, part, w1, dy, dy_exps, row_means);
+                   alpha, part, w1, w1_largest, dy, dy_exps, row_means);
 }
 
 /// The backward where the front kernel takes the call (front_fits): the front kernel's float16
@@ -3619,9 +3676,13 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
                     o_dy_exps = carve.take(ints(rows * kC / 32)),
                     o_p1 = carve.take(floats(grid * kH * kC)),
                     o_p2 = carve.take(floats(grid * kC * kH)),
-                    o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n));
+                    o_rows = carve.take(floats(2 * rows)), o_means = carve.take(floats(2 * p.n)),
+                    o_facts = carve.take(floats(kWeightRowFacts * kH));
   const StreamWorkspace ws(carve.total(), stream);
-  const auto [conv_w, w1, w2t] = backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream);
+  float* facts = at<float>(ws, o_facts);
+  const auto [conv_w, w1, w2t] =
+      backward_weights(p, ws, o_conv, o_w1, o_w2, device, stream, facts);
+  const float* w1_largest = facts + kRowLargest * kH;
   // y: the forward's saved rows where it kept them, else the front kernel's
   __half* y = p.saved_y != nullptr ? static_cast<__half*>(p.saved_y) : at<__half>(ws, o_y);
   const FrontOut out{y, at<__half>(ws, o_go), at<__half>(ws, o_g), at<__half>(ws, o_dg),
@@ -3635,21 +3696,21 @@ void block_backward_front(const CheriBlockParams& p, int device, cudaStream_t st
       gx_stage_bytes<float, __half>(p, dy, plane_grid(p), gx_vector<float, __half>(p, dy, true),
                                     device, true) > 0;
   float* row_sums = at<float>(ws, o_rows);
-  backward_front<kC>(p, conv_w, w1, w2t, out, row_sums, device, stream);
+  backward_front<kC>(p, conv_w, w1, w2t, facts, out, row_sums, device, stream);
   // grad W1 = dg^T y and dy = dg W1, and the norm's means; grad W2 = residual_scale grad_out^T g
   const RowMeans row_means{row_sums, p.n, p.l, static_cast<double>(p.l * p.c), means};
   if (scaled_dy) {
     weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
-                              part1, w1, static_cast<__half*>(dy.data), dy_exps, row_means,
-                              device, stream);
+                              part1, w1, w1_largest, static_cast<__half*>(dy.data), dy_exps,
+                              row_means, device, stream);
   } else {
     weight_grad<kH, kC, true>(grid, out.dg, out.y, out.exps + 2 * stride, nullptr, rows, 1.0f,
-                              part1, w1, static_cast<float*>(dy.data), nullptr, row_means,
-                              device, stream);
+                              part1, w1, w1_largest, static_cast<float*>(dy.data), nullptr,
+                              row_means, device, stream);
   }
   weight_grad<kC, kH, false>(grid, out.go, out.g, out.exps, out.exps + stride, rows,
-                             p.residual_scale, part2, nullptr, static_cast<float*>(nullptr),
-                             nullptr, RowMeans{}, device, stream);
+                             p.residual_scale, part2, nullptr, nullptr,
+                             static_cast<float*>(nullptr), nullptr, RowMeans{}, device, stream);
   sum_partials_both(part2, part1, grid, kC * kH, p.grad_linear2, kH, p.grad_linear1, kC, device,
                     stream, true);
   if (scaled_dy) {
