@@ -224,14 +224,22 @@ __device__ __forceinline__ void for_each_unit(const PlaneBlock& b, F&& f) {
 
 // ------------------------------------------------------------------------------------ kernels
 
+/// Elements first, first + step, ... of weight [rows, cols] (any dtype and strides) into dense
+/// float32 `dst`.
+__device__ __forceinline__ void pack_elements(const CheriMatrix& src, std::int64_t rows,
+                                              std::int64_t cols, float* dst, std::int64_t first,
+                                              std::int64_t step) {
+  for (std::int64_t i = first; i < rows * cols; i += step) {
+    dst[i] = load_weight(src, i / cols, i % cols);
+  }
+}
+
 /// Weight [rows, cols] of any dtype and strides -> dense float32.
 __global__ void pack_matrix_kernel(const CheriMatrix src, std::int64_t rows, std::int64_t cols,
                                    float* dst) {
-  const std::int64_t total = rows * cols;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       i < total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    dst[i] = load_weight(src, i / cols, i % cols);
-  }
+  pack_elements(src, rows, cols, dst,
+                blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
+                static_cast<std::int64_t>(gridDim.x) * blockDim.x);
 }
 
 /// What the backward's front path reads of the weights besides their elements, one value per row j
@@ -277,12 +285,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const std::int64_t total = hidden * c;
-  const std::int64_t step = static_cast<std::int64_t>(gridDim.x - fact_blocks) * blockDim.x;
-  for (std::int64_t i = (blockIdx.x - fact_blocks) * std::int64_t{blockDim.x} + threadIdx.x;
-       i < total; i += step) {
-    w2t[i] = load_weight(w2t_src, i / c, i % c);
-  }
+  pack_elements(w2t_src, hidden, c, w2t,
+                (blockIdx.x - fact_blocks) * std::int64_t{blockDim.x} + threadIdx.x,
+                static_cast<std::int64_t>(gridDim.x - fact_blocks) * blockDim.x);
 }
 
 /// A thread's running sums of the statistics pass: its values' count, and the sums of the values
