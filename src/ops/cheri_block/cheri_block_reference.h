@@ -40,6 +40,13 @@ struct CheriBlockResult {
 struct CheriBlockGradients {
   HostTensor grad_x;       // [N, L, C]
   CheriHostWeights grads;  // the weights' gradients
+  // [3, C]: the scale of grads.conv_weight's error on paths whose products round their operands
+  // (TF32, float16). Each product's rounding errs on the scale of the root sum of squares of its
+  // terms, not of its sum; the norm's backward takes out of grad_conv the directions that scale or
+  // shift a plane, so grad_conv_weight can be far smaller than those terms (few rows, few
+  // channels). Per element: sqrt(sum over n, l of (x_tap rstd_n s_dy)^2), s_dy the same measure of
+  // dL/dy's terms through both linear layers, plus |dL/dy| (its rounding).
+  HostTensor conv_weight_spread;
 };
 
 namespace cheri_detail {
@@ -204,11 +211,14 @@ inline CheriBlockGradients cheri_block_backward_reference(const HostTensor& grad
                                                           double residual_scale) {
   const std::int64_t n_size = x.shape[0], len = x.shape[1], ch = x.shape[2], plane = len * ch;
   const std::int64_t hid = w.linear1.shape[0];
-  CheriBlockGradients r{grad_out, {HostTensor({3, ch}), HostTensor({hid, ch}), HostTensor({ch, hid})}};
+  CheriBlockGradients r{grad_out,
+                        {HostTensor({3, ch}), HostTensor({hid, ch}), HostTensor({ch, hid})},
+                        HostTensor({3, ch})};
   // per-example partial sums of the weight gradients, added in example order
   std::vector<double> part_w(static_cast<std::size_t>(n_size * 3 * ch), 0.0);
   std::vector<double> part_w1(static_cast<std::size_t>(n_size * hid * ch), 0.0);
   std::vector<double> part_w2(static_cast<std::size_t>(n_size * ch * hid), 0.0);
+  std::vector<double> part_spread(static_cast<std::size_t>(n_size * 3 * ch), 0.0);  // squares
 #pragma omp parallel for schedule(static)
   for (std::int64_t n = 0; n < n_size; ++n) {
     const std::vector<double> y =
@@ -219,24 +229,48 @@ inline CheriBlockGradients cheri_block_backward_reference(const HostTensor& grad
     double* gw1 = part_w1.data() + n * hid * ch;
     double* gw2 = part_w2.data() + n * ch * hid;
     std::vector<double> dh(static_cast<std::size_t>(len * hid));
+    std::vector<double> dh_spread(static_cast<std::size_t>(len * hid));
     for (std::int64_t l = 0; l < len; ++l) {
       for (std::int64_t j = 0; j < hid; ++j) {
         const double hv = h[l * hid + j], g = cheri_detail::gelu_tanh(hv);
-        double dg = 0;
+        double dg = 0, dg_squares = 0;
         for (std::int64_t c = 0; c < ch; ++c) {
-          dg += dz[l * ch + c] * w.linear2.values[c * hid + j];
+          const double term = dz[l * ch + c] * w.linear2.values[c * hid + j];
+          dg += term;
+          dg_squares += term * term;
           gw2[c * hid + j] += dz[l * ch + c] * g;
         }
-        dh[l * hid + j] = dg * cheri_detail::gelu_tanh_grad(hv);
+        const double gelu_grad = cheri_detail::gelu_tanh_grad(hv);
+        dh[l * hid + j] = dg * gelu_grad;
+        dh_spread[l * hid + j] = std::abs(gelu_grad) * std::sqrt(dg_squares) + std::abs(dh[l * hid + j]);
       }
     }
     std::vector<double> dy(static_cast<std::size_t>(plane), 0.0);
+    std::vector<double> dy_squares(static_cast<std::size_t>(plane), 0.0);
     for (std::int64_t l = 0; l < len; ++l) {
       for (std::int64_t j = 0; j < hid; ++j) {
-        const double d = dh[l * hid + j];
+        const double d = dh[l * hid + j], d_spread = dh_spread[l * hid + j];
         for (std::int64_t c = 0; c < ch; ++c) {
           dy[l * ch + c] += d * w.linear1.values[j * ch + c];
           gw1[j * ch + c] += d * y[l * ch + c];
+          const double term = d_spread * w.linear1.values[j * ch + c];
+          dy_squares[l * ch + c] += term * term;
+        }
+      }
+    }
+    {
+      const double* xn = x.values.data() + n * plane;
+      double* spread = part_spread.data() + n * 3 * ch;
+      for (std::int64_t l = 0; l < len; ++l) {
+        for (std::int64_t c = 0; c < ch; ++c) {
+          const double s =
+              rstd.values[n] * (std::sqrt(dy_squares[l * ch + c]) + std::abs(dy[l * ch + c]));
+          for (std::int64_t k = 0; k < 3; ++k) {  // tap k reads x at l + (k - 1) d
+            const std::int64_t at = l + (k - 1) * dilation;
+            if (at < 0 || at >= len) continue;
+            const double term = xn[at * ch + c] * s;
+            spread[k * ch + c] += term * term;
+          }
         }
       }
     }
@@ -245,12 +279,16 @@ inline CheriBlockGradients cheri_block_backward_reference(const HostTensor& grad
                                         part_w.data() + n * 3 * ch);
   }
   for (std::int64_t n = 0; n < n_size; ++n) {
-    for (std::int64_t i = 0; i < 3 * ch; ++i) r.grads.conv_weight.values[i] += part_w[n * 3 * ch + i];
+    for (std::int64_t i = 0; i < 3 * ch; ++i) {
+      r.grads.conv_weight.values[i] += part_w[n * 3 * ch + i];
+      r.conv_weight_spread.values[i] += part_spread[n * 3 * ch + i];
+    }
     for (std::int64_t i = 0; i < hid * ch; ++i) {
       r.grads.linear1.values[i] += part_w1[n * hid * ch + i];
       r.grads.linear2.values[i] += part_w2[n * ch * hid + i];
     }
   }
+  for (double& v : r.conv_weight_spread.values) v = std::sqrt(v);
   return r;
 }
 
