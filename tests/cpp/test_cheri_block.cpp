@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -156,6 +157,32 @@ TEST_F(CheriCpuMisc, Float64BackwardMatchesFiniteDifferences) {
   expect_gradient(in.x, conv.grad_x, conv_loss, "dilated_conv_norm grad_x");
   expect_gradient(in.w.conv_weight, conv.grad_conv_weight, conv_loss,
                   "dilated_conv_norm grad_conv_weight");
+}
+
+// The scale the CUDA TF32 path's conv weight gradient is held to (its terms' spread, which can be
+// far above the gradient where the norm's backward cancels them) is the gradient's own where
+// nothing cancels (many rows, many channels): the bound stays tight there, rejecting a gradient 2%
+// off and taking one 0.1% off.
+TEST_F(CheriCpuMisc, ConvWeightSpreadIsTheGradientsScaleWhereNothingCancels) {
+  using namespace fusekit::testing;
+  const CheriCase c{4, 256, 32, 2, 3};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const CheriBlockGradients ref = cheri_block_backward_reference(
+      in.grad_out, in.x, in.w, in.mean, in.rstd, c.dilation, c.residual_scale);
+  double g2 = 0, s2 = 0;
+  for (std::int64_t i = 0; i < ref.grads.conv_weight.numel(); ++i) {
+    g2 += ref.grads.conv_weight.values[i] * ref.grads.conv_weight.values[i];
+    s2 += ref.conv_weight_spread.values[i] * ref.conv_weight_spread.values[i];
+  }
+  EXPECT_GT(std::sqrt(s2 / g2), 0.5);
+  EXPECT_LT(std::sqrt(s2 / g2), 2.0);
+  const Tolerance tol = cheri_tf32_conv_weight_grad_tolerance(
+      ref.grads.conv_weight, ref.conv_weight_spread, cheri_tf32_weight_grad_bound(c.n * c.l));
+  for (const auto& [factor, ok] : {std::pair{1.02, false}, std::pair{1.001, true}}) {
+    HostTensor off = ref.grads.conv_weight;
+    for (double& v : off.values) v *= factor;
+    EXPECT_EQ(compare(off, ref.grads.conv_weight, tol).ok, ok) << "gradient times " << factor;
+  }
 }
 
 TEST_F(CheriCpuMisc, PlaneOfOneElement) {

@@ -45,7 +45,7 @@ struct CheriBlockGradients {
   // terms, not of its sum; the norm's backward takes out of grad_conv the directions that scale or
   // shift a plane, so grad_conv_weight can be far smaller than those terms (few rows, few
   // channels). Per element: sqrt(sum over n, l of (x_tap rstd_n s_dy)^2), s_dy the same measure of
-  // dL/dy's terms through both linear layers, plus |dL/dy| (its rounding).
+  // dL/dy's terms through both linear layers (on the scale of |dL/dy| where they do not cancel).
   HostTensor conv_weight_spread;
 };
 
@@ -242,7 +242,7 @@ inline CheriBlockGradients cheri_block_backward_reference(const HostTensor& grad
         }
         const double gelu_grad = cheri_detail::gelu_tanh_grad(hv);
         dh[l * hid + j] = dg * gelu_grad;
-        dh_spread[l * hid + j] = std::abs(gelu_grad) * std::sqrt(dg_squares) + std::abs(dh[l * hid + j]);
+        dh_spread[l * hid + j] = std::abs(gelu_grad) * std::sqrt(dg_squares);
       }
     }
     std::vector<double> dy(static_cast<std::size_t>(plane), 0.0);
@@ -263,8 +263,7 @@ inline CheriBlockGradients cheri_block_backward_reference(const HostTensor& grad
       double* spread = part_spread.data() + n * 3 * ch;
       for (std::int64_t l = 0; l < len; ++l) {
         for (std::int64_t c = 0; c < ch; ++c) {
-          const double s =
-              rstd.values[n] * (std::sqrt(dy_squares[l * ch + c]) + std::abs(dy[l * ch + c]));
+          const double s = rstd.values[n] * std::sqrt(dy_squares[l * ch + c]);
           for (std::int64_t k = 0; k < 3; ++k) {  // tap k reads x at l + (k - 1) d
             const std::int64_t at = l + (k - 1) * dilation;
             if (at < 0 || at >= len) continue;
