@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "common/bulk_copy.cuh"
@@ -329,19 +330,24 @@ int run() {
   FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(ring<4>, kSmem, 200 << 10));
   FUSEKIT_CUDA_CHECK(cudaFuncSetAttribute(ring<6>, kSmem, 200 << 10));
 
+  // A failure inside a row (an asynchronous kernel error surfaces at the next check) names it.
   const auto time = [&](const char* name, std::size_t bytes, auto launch) {
     std::vector<float> us;
-    for (int r = 0; r < 25; ++r) {
-      FUSEKIT_CUDA_CHECK(cudaMemsetAsync(flush, r, kFlushBytes));
-      FUSEKIT_CUDA_CHECK(cudaEventRecord(start));
-      launch();
-      FUSEKIT_CUDA_CHECK(cudaEventRecord(stop));
-      FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      us.push_back(ms * 1000.0f);
+    try {
+      for (int r = 0; r < 25; ++r) {
+        FUSEKIT_CUDA_CHECK(cudaMemsetAsync(flush, r, kFlushBytes));
+        FUSEKIT_CUDA_CHECK(cudaEventRecord(start));
+        launch();
+        FUSEKIT_CUDA_CHECK(cudaEventRecord(stop));
+        FUSEKIT_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        FUSEKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        us.push_back(ms * 1000.0f);
+      }
+      FUSEKIT_CUDA_CHECK(cudaGetLastError());
+    } catch (const fusekit::Error& e) {
+      throw fusekit::Error(std::string(name) + ": " + e.what());
     }
-    FUSEKIT_CUDA_CHECK(cudaGetLastError());
     std::sort(us.begin(), us.end());
     const float median = us[us.size() / 2];
     std::printf("%-40s %8.1f us  %5.2f TB/s\n", name, median, bytes / median / 1e6);
