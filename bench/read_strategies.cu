@@ -20,6 +20,7 @@
 
 #include "common/bulk_copy.cuh"
 #include "common/cuda_check.h"
+#include "common/cuda_types.cuh"  // load_shared_floats
 
 namespace {
 
@@ -32,6 +33,7 @@ using fusekit::detail::mbarrier_init;
 using fusekit::detail::mbarrier_init_fence;
 using fusekit::detail::mbarrier_wait;
 #endif
+using fusekit::detail::load_shared_floats;
 
 constexpr int kThreads = 256;
 
@@ -162,24 +164,6 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kStreamWarps = 16;
 enum class StreamWork { kSum, kConv, kRawMoments };
 
-template <typename T>
-__device__ void load_floats(const T* p, float (&v)[16 / sizeof(T)]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  if constexpr (sizeof(T) == 4) {
-    v[0] = __uint_as_float(raw.x);
-    v[1] = __uint_as_float(raw.y);
-    v[2] = __uint_as_float(raw.z);
-    v[3] = __uint_as_float(raw.w);
-  } else {  // bfloat16: the upper half of a float
-    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-}
-
 template <typename T, int kStages, StreamWork kWork>
 __global__ void __launch_bounds__((kStreamWarps + 1) * 32, 1)
     stream_parts(const T* x, std::size_t rows, int part_rows, float* out) {
@@ -236,12 +220,12 @@ __global__ void __launch_bounds__((kStreamWarps + 1) * 32, 1)
       const int first = lane % 4 + 4 * (lane / 4) * steps;
       const auto row = [&](int r) { return part + min(r, count - 1) * kC + c0; };
       float w0[kV], w1[kV];
-      load_floats<T>(row(first), w0);
-      load_floats<T>(row(first + 4), w1);
+      load_shared_floats<T, kV>(row(first), w0);
+      load_shared_floats<T, kV>(row(first + 4), w1);
 #pragma unroll 4
       for (int i = 0; i < steps; ++i) {
         float w2[kV];
-        load_floats<T>(row(first + 4 * i + 8), w2);
+        load_shared_floats<T, kV>(row(first + 4 * i + 8), w2);
 #pragma unroll
         for (int c = 0; c < kV; ++c) {
           raw[0][c] += w0[c];
@@ -255,11 +239,11 @@ __global__ void __launch_bounds__((kStreamWarps + 1) * 32, 1)
     } else {
       for (int r = t / kRowThreads; r < count; r += kLanes) {
         float xm[kV];
-        load_floats<T>(part + r * kC + c0, xm);
+        load_shared_floats<T, kV>(part + r * kC + c0, xm);
         if constexpr (kWork == StreamWork::kConv) {
           float xl[kV], xr[kV];
-          load_floats<T>(part + max(r - 4, 0) * kC + c0, xl);
-          load_floats<T>(part + min(r + 4, count - 1) * kC + c0, xr);
+          load_shared_floats<T, kV>(part + max(r - 4, 0) * kC + c0, xl);
+          load_shared_floats<T, kV>(part + min(r + 4, count - 1) * kC + c0, xr);
           if (k == 0 && r < kLanes) shift = wm[0] * xm[0] + wl[0] * xl[0] + wr[0] * xr[0];
           float e1 = 0.0f, e2 = 0.0f;
 #pragma unroll
