@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fusekit/tensor.h"
 
@@ -45,15 +46,32 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 template <typename T>
 inline constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
 
+/// The two bfloat16 of a 32-bit word (the first in the low half) as floats. A bfloat16 is the upper
+/// half of a float's bits, so each widens by one shift or one mask; taken element by element
+/// (`__bfloat162float`, `__bfloat1622float2`), the upper one costs a byte permute as well.
+__device__ __forceinline__ float2 widen_bf16x2(std::uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 /// The kVec16<T> elements of T in a 16-byte piece, as floats at v[0 .. kVec16<T> - 1].
 template <typename T>
 __device__ __forceinline__ void unpack16(uint4 raw, float* v) {
-  union {
-    uint4 raw;
-    T e[kVec16<T>];
-  } u{raw};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int k = 0; k < kVec16<T>; ++k) v[k] = to_float(u.e[k]);
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = widen_bf16x2(w[k]);
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
+  } else {
+    union {
+      uint4 raw;
+      T e[kVec16<T>];
+    } u{raw};
+#pragma unroll
+    for (int k = 0; k < kVec16<T>; ++k) v[k] = to_float(u.e[k]);
+  }
 }
 
 /// kVec16<T> floats at v, rounded to T, as one 16-byte piece.

@@ -35,11 +35,12 @@ namespace fusekit::detail {
 /// with the whole warp.
 __device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
-/// Byte offset of element (row, k) in a 128-byte-swizzled K-major block of 2-byte elements.
+/// Byte offset of element (row, k) in a 128-byte-swizzled K-major block of 2-byte elements (row
+/// and k not negative; taken unsigned, so that % 8 and / 8 are masks and shifts, not the signed
+/// forms' four instructions).
 __host__ __device__ constexpr std::uint32_t swizzled_offset(int row, int k) {
-  return static_cast<std::uint32_t>(row) * 128 +
-         ((static_cast<std::uint32_t>(k / 8) ^ static_cast<std::uint32_t>(row % 8)) * 16) +
-         static_cast<std::uint32_t>(k % 8) * 2;
+  const auto r = static_cast<std::uint32_t>(row), c = static_cast<std::uint32_t>(k);
+  return r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
 }
 
 /// Descriptor of a 128-byte-swizzled K-major operand starting at `smem`, its 8-row atoms

@@ -1110,7 +1110,9 @@ struct PairOf<__nv_bfloat16> {
 };
 __device__ __forceinline__ float2 to_float2(float2 v) { return v; }
 __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) {
+  return widen_bf16x2(*reinterpret_cast<const std::uint32_t*>(&v));
+}
 
 /// Per-example statistics as the fused kernels read them: data[n * stride].
 struct StatRef {
@@ -1783,7 +1785,12 @@ struct XPiece {
     }
   }
   __device__ __forceinline__ float operator[](int k) const {
-    return to_float(reinterpret_cast<const T*>(raw)[k]);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const float2 pair = widen_bf16x2(reinterpret_cast<const std::uint32_t*>(raw)[k / 2]);
+      return k % 2 == 0 ? pair.x : pair.y;
+    } else {
+      return to_float(reinterpret_cast<const T*>(raw)[k]);
+    }
   }
 };
 

@@ -304,6 +304,12 @@ __device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
     v[1] = raw.y;
     v[2] = raw.z;
     v[3] = raw.w;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const float2 lo = widen_bf16x2(raw.x), hi = widen_bf16x2(raw.y);
+    v[0] = lo.x;
+    v[1] = lo.y;
+    v[2] = hi.x;
+    v[3] = hi.y;
   } else {
     union {
       uint2 raw;
