@@ -1489,6 +1489,78 @@ __device__ __forceinline__ P* opaque(P* p) {
   return p;
 }
 
+/// store_residual_rows for bfloat16 x and out: residual_scale acc is rounded to bfloat16 pairs
+/// first, so that the quads' transposes move one word a pair instead of two floats, and x is
+/// added in bfloat16 arithmetic (`add.rn.bf16x2`), one rounding of the sum: out = bf16(x +
+/// bf16(residual_scale acc)). The second rounding is at most 2^-9 of the MLP term (the issue's
+/// bound for bf16 is 1e-2 of the output), and bfloat16 holds any float's range, so no value that
+/// fits out overflows on the way. Rows as store_residual_rows takes them (`rows`: those of lane
+/// (g, q) of the warp).
+template <int kC>
+__device__ __forceinline__ void store_residual_rows_bf16(const CheriBlockParams& p,
+                                                         const PlaneRow (&rows)[2], int lane,
+                                                         const float (&acc)[kC / 2]) {
+  constexpr int kGroups = kC / 32;
+  const int q = lane % 4;
+  std::uint32_t v[2][kGroups][4];  // [row half][m][slot]: before, columns 8 (4 m + slot) + 2 q
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const int i = 4 * (4 * m + a) + 2 * h2;
+        const __nv_bfloat162 pair =
+            __floats2bfloat162_rn(p.residual_scale * acc[i], p.residual_scale * acc[i + 1]);
+        v[h2][m][a] = *reinterpret_cast<const std::uint32_t*>(&pair);
+      }
+    }
+  }
+#pragma unroll
+  for (int step = 1; step <= 2; step *= 2) {
+    const bool upper = (q & step) != 0;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+      for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          if ((a & step) != 0) continue;
+          std::uint32_t& keep_low = v[h2][m][a];
+          std::uint32_t& keep_high = v[h2][m][a ^ step];
+          const std::uint32_t got =
+              __shfl_xor_sync(0xffffffffu, upper ? keep_low : keep_high, step);
+          (upper ? keep_low : keep_high) = got;
+        }
+      }
+    }
+  }
+  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    if (rows[h2].n >= p.n) continue;
+    const auto* x = reinterpret_cast<const uint4*>(
+        opaque(row_of<__nv_bfloat16>(p.x, rows[h2].n, rows[h2].l) + 8 * q));
+    uint4 xv[kGroups];
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) xv[m] = __ldg(x + 4 * m);
+    auto* dst = reinterpret_cast<uint4*>(
+        opaque(out_row_of<__nv_bfloat16>(p.out, rows[h2].n, rows[h2].l) + 8 * q));
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) {
+      const std::uint32_t xw[4] = {xv[m].x, xv[m].y, xv[m].z, xv[m].w};
+      std::uint32_t o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat162 sum = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&xw[e]),
+                                           *reinterpret_cast<const __nv_bfloat162*>(&v[h2][m][e]));
+        o[e] = *reinterpret_cast<const std::uint32_t*>(&sum);
+      }
+      __stcs(dst + 4 * m, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+  }
+}
+
 /// out = x + residual_scale * acc for a warpgroup's tile of kWgRows rows from `first`: lane
 /// (g, q) of warp w (thread t of the warpgroup) holds rows 16 w + g (+ 8), columns
 /// 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]. The four lanes of a row first swap their
@@ -1505,6 +1577,10 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
   const int lane = t % kWarpSize, g = lane / 4, q = lane % 4;
   const PlaneRow at0 = plane_row(first, 16 * (t / kWarpSize) + g, p.l);
   const PlaneRow rows[2] = {at0, plane_row(at0, 8, p.l)};
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    store_residual_rows_bf16<kC>(p, rows, lane, acc);
+    return;
+  }
   float2 v[2][kGroups][4];  // [row half][m][slot]: before, columns 8 (4 m + slot) + 2 q
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
