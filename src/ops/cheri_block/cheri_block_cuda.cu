@@ -1489,6 +1489,40 @@ __device__ __forceinline__ P* opaque(P* p) {
   return p;
 }
 
+/// A lane's pair (two floats, or two 16-bit values in a word) from lane ^ step of its warp.
+__device__ __forceinline__ float2 shuffle_pair(float2 v, int step) {
+  return make_float2(__shfl_xor_sync(0xffffffffu, v.x, step),
+                     __shfl_xor_sync(0xffffffffu, v.y, step));
+}
+__device__ __forceinline__ std::uint32_t shuffle_pair(std::uint32_t v, int step) {
+  return __shfl_xor_sync(0xffffffffu, v, step);
+}
+
+/// The quads' 4 x 4 transposes of the epilogues (store_residual_rows): v[h2][m][slot] holds the
+/// pair of columns 8 (4 m + slot) + 2 q of lane q of a quad before, and of columns 8 (4 m + q) +
+/// 2 slot after (two shuffle steps).
+template <typename Pair, int kGroups>
+__device__ __forceinline__ void transpose_quad_pairs(Pair (&v)[2][kGroups][4], int q) {
+#pragma unroll
+  for (int step = 1; step <= 2; step *= 2) {
+    const bool upper = (q & step) != 0;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+      for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          if ((a & step) != 0) continue;
+          Pair& keep_low = v[h2][m][a];
+          Pair& keep_high = v[h2][m][a ^ step];
+          const Pair got = shuffle_pair(upper ? keep_low : keep_high, step);
+          (upper ? keep_low : keep_high) = got;
+        }
+      }
+    }
+  }
+}
+
 /// store_residual_rows for bfloat16 x and out: residual_scale acc is rounded to bfloat16 pairs
 /// first, so that the quads' transposes move one word a pair instead of two floats, and x is
 /// added in bfloat16 arithmetic (`add.rn.bf16x2`), one rounding of the sum: out = bf16(x +
@@ -1516,26 +1550,7 @@ __device__ __forceinline__ void store_residual_rows_bf16(const CheriBlockParams&
       }
     }
   }
-#pragma unroll
-  for (int step = 1; step <= 2; step *= 2) {
-    const bool upper = (q & step) != 0;
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-#pragma unroll
-      for (int m = 0; m < kGroups; ++m) {
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          if ((a & step) != 0) continue;
-          std::uint32_t& keep_low = v[h2][m][a];
-          std::uint32_t& keep_high = v[h2][m][a ^ step];
-          const std::uint32_t got =
-              __shfl_xor_sync(0xffffffffu, upper ? keep_low : keep_high, step);
-          (upper ? keep_low : keep_high) = got;
-        }
-      }
-    }
-  }
-  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
+  transpose_quad_pairs(v, q);  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
@@ -1593,27 +1608,7 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
       }
     }
   }
-#pragma unroll
-  for (int step = 1; step <= 2; step *= 2) {
-    const bool upper = (q & step) != 0;
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-#pragma unroll
-      for (int m = 0; m < kGroups; ++m) {
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          if ((a & step) != 0) continue;
-          float2& keep_low = v[h2][m][a];
-          float2& keep_high = v[h2][m][a ^ step];
-          const float2 send = upper ? keep_low : keep_high;
-          const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, send.x, step),
-                                         __shfl_xor_sync(0xffffffffu, send.y, step));
-          (upper ? keep_low : keep_high) = got;
-        }
-      }
-    }
-  }
-  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
+  transpose_quad_pairs(v, q);  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
