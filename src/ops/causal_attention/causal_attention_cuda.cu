@@ -255,27 +255,40 @@ struct Tf32Mma {
   static __device__ __forceinline__ void load_queries(QueryFragments<kMT, kD>&, const Bits*,
                                                       int) {}
 
+  // The fragments by ldmatrix, its 8 x 8 matrices of 16-bit values taken as 8 rows of four
+  // float32 (rows of kStride words, 16-byte aligned; kPad keeps them on distinct banks): lane (g,
+  // t) receives row g, word t, the m16n8k8 TF32 layout. One instruction for four values.
   template <int kMT, int kD, int kBlockN, int kStride>
   static __device__ __forceinline__ void scores(float (&s)[kMT][kBlockN / 8][4],
                                                 const QueryFragments<kMT, kD>&, const Bits* sq,
                                                 const Bits* sk, int lane) {
-    const int g = lane >> 2, t = lane & 3;
+    static_assert(kStride % 4 == 0 && kBlockN % 16 == 0, "16-byte rows, pairs of 8-key tiles");
+    // Matrices: queries rows 0-7 and 8-15 of words 0-3, then of words 4-7 (a[0] to a[3]); keys
+    // 0-7 of words 0-3 and 4-7, then keys 8-15 of the same (b0, b1 of two 8-key tiles).
+    const Bits* q_row = sq + (lane & 15) * kStride + (lane >> 4) * 4;
+    const Bits* k_row = sk + ((lane & 7) + ((lane >> 4) << 3)) * kStride + ((lane >> 3) & 1) * 4;
 #pragma unroll 2
     for (int kk = 0; kk < kD / 8; ++kk) {
       SplitA a[kMT];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const Bits* q = sq + (mt * 16 + g) * kStride + kk * 8 + t;
-        const float x[4] = {__uint_as_float(q[0]), __uint_as_float(q[8 * kStride]),
-                            __uint_as_float(q[4]), __uint_as_float(q[8 * kStride + 4])};
+        std::uint32_t q[4];
+        ldmatrix_x4(q, q_row + mt * 16 * kStride + kk * 8);
+        const float x[4] = {__uint_as_float(q[0]), __uint_as_float(q[1]), __uint_as_float(q[2]),
+                            __uint_as_float(q[3])};
         a[mt] = split(x);
       }
 #pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        const Bits* k = sk + (n * 8 + g) * kStride + kk * 8 + t;
-        const Split b0 = split(__uint_as_float(k[0])), b1 = split(__uint_as_float(k[4]));
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        std::uint32_t k[4];
+        ldmatrix_x4(k, k_row + np * 16 * kStride + kk * 8);
+        const Split b[4] = {split(__uint_as_float(k[0])), split(__uint_as_float(k[1])),
+                            split(__uint_as_float(k[2])), split(__uint_as_float(k[3]))};
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) mma(s[mt][n], a[mt], b0, b1);
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
       }
     }
   }
