@@ -185,10 +185,16 @@ mhc_post.register_autograd(_mhc_post_autograd, setup_context=_mhc_post_setup_con
 class MhcPostFunction(torch.autograd.Function):
     """mhc_post under eager autograd: the op's body, context and formula, with the backward
     called directly rather than through its op (the ops' Python autograd wrappers cost far more
-    host time than the calls: see _eager_autograd_call in fusekit/__init__.py)."""
+    host time than the calls: see _eager_autograd_call in fusekit/__init__.py). The forward sets
+    up its context itself: with a setup_context apart, torch binds the arguments through
+    inspect.signature at every call, tens of microseconds of host time (the eager Functions
+    below do the same)."""
 
-    forward = staticmethod(run_mhc_post)
-    setup_context = staticmethod(_mhc_post_setup_context)
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = run_mhc_post(*inputs)
+        _mhc_post_setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     @once_differentiable
@@ -553,12 +559,12 @@ class DilatedConvNormFunction(torch.autograd.Function):
     """dilated_conv_norm under eager autograd (as MhcPostFunction): (y, mean, rstd), mean and
     rstd not differentiable, and no zero gradients made for them."""
 
-    forward = staticmethod(run_dilated_conv_norm)
-
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = run_dilated_conv_norm(*inputs)
         _dilated_conv_norm_setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)
+        return output
 
     @staticmethod
     @once_differentiable
@@ -710,12 +716,12 @@ class CheriBlockFunction(torch.autograd.Function):
     rstd, saved), the last three not differentiable, and no zero gradients made for them; the
     backward reads them and recomputes everything else."""
 
-    forward = staticmethod(run_cheri_block)
-
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = run_cheri_block(*inputs)
         _cheri_block_setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)
+        return output
 
     @staticmethod
     @once_differentiable
