@@ -1498,11 +1498,25 @@ __device__ __forceinline__ std::uint32_t shuffle_pair(std::uint32_t v, int step)
   return __shfl_xor_sync(0xffffffffu, v, step);
 }
 
-/// The quads' 4 x 4 transposes of the epilogues (store_residual_rows): v[h2][m][slot] holds the
-/// pair of columns 8 (4 m + slot) + 2 q of lane q of a quad before, and of columns 8 (4 m + q) +
-/// 2 slot after (two shuffle steps).
-template <typename Pair, int kGroups>
-__device__ __forceinline__ void transpose_quad_pairs(Pair (&v)[2][kGroups][4], int q) {
+/// The accumulator pairs of lane (g, q) of the epilogues (store_residual_rows: rows g + 8 h2,
+/// columns 8 j + 2 q + {0, 1} in acc[4 j + 2 h2 + {0, 1}]) as v[h2][m][slot] = pair(the two
+/// floats), moved across the quad by 4 x 4 transposes (two shuffle steps) so that v[h2][m][slot]
+/// holds columns 8 (4 m + q) + 2 slot + {0, 1}: lane q then has 8 consecutive columns of its row
+/// for every m.
+template <int kGroups, typename Pair, typename MakePair>
+__device__ __forceinline__ void quad_row_pairs(const float* acc, int q, MakePair pair,
+                                               Pair (&v)[2][kGroups][4]) {
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+#pragma unroll
+    for (int m = 0; m < kGroups; ++m) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const int i = 4 * (4 * m + a) + 2 * h2;
+        v[h2][m][a] = pair(acc[i], acc[i + 1]);
+      }
+    }
+  }
 #pragma unroll
   for (int step = 1; step <= 2; step *= 2) {
     const bool upper = (q & step) != 0;
@@ -1536,21 +1550,11 @@ __device__ __forceinline__ void store_residual_rows_bf16(const CheriBlockParams&
                                                          const float (&acc)[kC / 2]) {
   constexpr int kGroups = kC / 32;
   const int q = lane % 4;
-  std::uint32_t v[2][kGroups][4];  // [row half][m][slot]: before, columns 8 (4 m + slot) + 2 q
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-#pragma unroll
-    for (int m = 0; m < kGroups; ++m) {
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int i = 4 * (4 * m + a) + 2 * h2;
-        const __nv_bfloat162 pair =
-            __floats2bfloat162_rn(p.residual_scale * acc[i], p.residual_scale * acc[i + 1]);
-        v[h2][m][a] = *reinterpret_cast<const std::uint32_t*>(&pair);
-      }
-    }
-  }
-  transpose_quad_pairs(v, q);  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
+  std::uint32_t v[2][kGroups][4];  // [row half][m][slot]: columns 8 (4 m + q) + 2 slot
+  quad_row_pairs(acc, q, [&](float a, float b) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(p.residual_scale * a, p.residual_scale * b);
+    return *reinterpret_cast<const std::uint32_t*>(&pair);
+  }, v);
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
@@ -1596,19 +1600,8 @@ __device__ __forceinline__ void store_residual_rows(const CheriBlockParams& p, P
     store_residual_rows_bf16<kC>(p, rows, lane, acc);
     return;
   }
-  float2 v[2][kGroups][4];  // [row half][m][slot]: before, columns 8 (4 m + slot) + 2 q
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-#pragma unroll
-    for (int m = 0; m < kGroups; ++m) {
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int i = 4 * (4 * m + a) + 2 * h2;
-        v[h2][m][a] = make_float2(acc[i], acc[i + 1]);
-      }
-    }
-  }
-  transpose_quad_pairs(v, q);  // now v[h2][m][slot] holds columns 8 (4 m + q) + 2 slot + {0, 1}
+  float2 v[2][kGroups][4];  // [row half][m][slot]: columns 8 (4 m + q) + 2 slot
+  quad_row_pairs(acc, q, [](float a, float b) { return make_float2(a, b); }, v);
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     if (rows[h2].n >= p.n) continue;
