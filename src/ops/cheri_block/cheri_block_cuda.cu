@@ -1447,11 +1447,13 @@ __device__ __forceinline__ void stage_swizzled(const float* src, int rows, int c
   }
 }
 
-/// Thread t (of a warpgroup's 128) of the copy of tile `tile` (kWgRows rows of (n, l)) of x into
-/// xs by cp.async, one commit group: piece t % groups of rows t / groups + k (128 / groups).
+/// Thread t (of a warpgroup's 128) of the copy of tile `tile` (kWgRows rows of (n, l)) of the
+/// activation `a` (x, or grad_out: rows 16-byte aligned, channels contiguous) into xs (rows
+/// kXTileLd apart) by cp.async, one commit group: piece t % groups of rows t / groups + k (128 /
+/// groups). Rows past the plane are not copied.
 template <typename T, int kC>
-__device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const CheriBlockParams& p,
-                                            int t) {
+__device__ __forceinline__ void copy_rows_tile(const CheriActivation& a, T* xs, std::int64_t tile,
+                                               const CheriBlockParams& p, int t) {
   constexpr int kV = kVec16<T>;
   constexpr int kLdX = kXTileLd<kC>;
   constexpr int kGroups = kC / kV;                     // 16-byte pieces per row
@@ -1463,8 +1465,8 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
   const PlaneRow start{first / len, first % len};
   T* dst = xs + r0 * kLdX + piece * kV;
   if (start.l + kWgRows <= len) {  // rows of one example: a pointer step per row
-    const T* src = row_of<T>(p.x, start.n, start.l + r0) + piece * kV;
-    const std::int64_t step = kRowsPerPass * p.x.stride[1];
+    const T* src = row_of<T>(a, start.n, start.l + r0) + piece * kV;
+    const std::int64_t step = kRowsPerPass * a.stride[1];
 #pragma unroll
     for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
       cp_async_16(dst + u * kRowsPerPass * kLdX, src + u * step);
@@ -1474,11 +1476,18 @@ __device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const Cher
     for (int u = 0; u < kWgRows / kRowsPerPass; ++u) {
       const PlaneRow at = plane_row(start, r0 + u * kRowsPerPass, len);
       if (at.n < p.n) {
-        cp_async_16(dst + u * kRowsPerPass * kLdX, row_of<T>(p.x, at.n, at.l) + piece * kV);
+        cp_async_16(dst + u * kRowsPerPass * kLdX, row_of<T>(a, at.n, at.l) + piece * kV);
       }
     }
   }
   cp_async_commit();
+}
+
+/// copy_rows_tile of x.
+template <typename T, int kC>
+__device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const CheriBlockParams& p,
+                                            int t) {
+  copy_rows_tile<T, kC>(p.x, xs, tile, p, t);
 }
 
 /// p, hidden from the optimiser: offsets added to it afterwards stay immediates of the accesses
@@ -2413,7 +2422,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
 
   std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
-  if (!kSaved && tile < tiles) copy_x_tile<T, kC>(xs, tile, p, t);
+  // x of the tile (to rebuild y), or where y was kept, grad_out of the tile: its rows come by
+  // cp.async into xs a tile ahead, so that the tile's start waits for shared memory rather than
+  // for loads from memory (a third of the warps' waiting, bench/NOTES.md).
+  if (tile < tiles) copy_rows_tile<T, kC>(kSaved ? p.grad_out : p.x, xs, tile, p, t);
   for (; tile < tiles; tile += stride) {
     const PlaneRow first{tile * kWgRows / len, tile * kWgRows % len};
     std::uint32_t af[kKSteps][4];
@@ -2446,6 +2458,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tile + stride < tiles) copy_x_tile<T, kC>(xs, tile + stride, p, t);
     }
 
+    if constexpr (kSaved) {
+      cp_async_wait<0>();
+      sync_warpgroup();  // this tile's grad_out landed (every thread's copies)
+    }
+
     // The thread's rows r0 + g + 8 h2 of the tile: y out, grad_out in (scaled per row).
     std::uint32_t ad[kKSteps][4];
     float unscale[2];  // residual_scale / the row's power of two
@@ -2458,7 +2475,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const PlaneRow at = plane_row(first, r0 + g + 8 * h2, len);
       const bool live = at.n < p.n;
       float largest = 0.0f, y_square = 0.0f;
-      const float* go = live ? row_of<T>(p.grad_out, at.n, at.l) : nullptr;
+      const float* go = kSaved ? xs + (r0 + g + 8 * h2) * kLdX
+                               : (live ? row_of<T>(p.grad_out, at.n, at.l) : nullptr);
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
@@ -2524,6 +2542,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (live) store_quad(out.go + row * kC + 32 * m, piece, q);
       }
+    }
+    if constexpr (kSaved) {
+      sync_warpgroup();  // every warp has read this tile's grad_out
+      if (tile + stride < tiles) copy_rows_tile<T, kC>(p.grad_out, xs, tile + stride, p, t);
     }
 
     float sum_dy[2] = {0.0f, 0.0f}, sum_dy_y[2] = {0.0f, 0.0f};  // of rows g, g + 8
