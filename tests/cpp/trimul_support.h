@@ -389,13 +389,26 @@ inline double trimul_few_products(const TrimulCase& c) {
   return std::sqrt(std::max(1.0, 256.0 / static_cast<double>(c.c * c.h)));
 }
 
+/// The same for few rows (b, i, j), as the Python tests have it (FEW_ROWS there): every output of
+/// a row shares the roundings of its H intermediates (one LayerNorm over H of one row of p), so
+/// below 16 rows the Frobenius error is an average over a handful of them, not a settled mean. At
+/// N = 1, C = 40, H = 24 with Cauchy x a fixed 1e-3 fails about 3 draws in 100 (an emulation of
+/// the float16 roundings in numpy: median 4.9e-4, 99th percentile 1.2e-3; 2.3e-3 at most in 900
+/// draws on an H100), and that case failed one run of the projection tests at 1.1e-3. The bound
+/// grows as sqrt(16 / rows) there (4e-3 at one row); from 16 rows on it is the rule's 1e-3.
+inline double trimul_few_rows(const TrimulCase& c) {
+  return std::sqrt(std::max(1.0, 16.0 / static_cast<double>(c.b * c.n * c.n)));
+}
+
 /// The bound the CUDA backend is held to against float64, float16 tensor cores throughout:
-/// relative Frobenius error 1e-3 (times the cancellation and few-products factors) and every
-/// element within atol = rtol = 2e-2, plus, for float16 and bfloat16 outputs, their rounding
-/// (relative u).
+/// relative Frobenius error 1e-3 (times the cancellation, few-products and few-rows factors) and
+/// every element within atol = rtol = 2e-2, plus, for float16 and bfloat16 outputs, their
+/// rounding (relative u).
 inline Tolerance trimul_cuda_tolerance(const TrimulCase& c, const HostTensor& expected) {
   const double u = c.dtype == DType::Float32 ? 0.0 : unit_roundoff(c.dtype);
-  return {2e-2, 2e-2 + u, 1e-3 * trimul_cancellation(c, expected) * trimul_few_products(c) + u};
+  const double frobenius =
+      1e-3 * trimul_cancellation(c, expected) * trimul_few_products(c) * trimul_few_rows(c);
+  return {2e-2, 2e-2 + u, frobenius + u};
 }
 
 }  // namespace fusekit_test
