@@ -67,6 +67,9 @@ if _torch is not None:
     _is_compiling = _torch.compiler.is_compiling
     _grad_enabled = _torch.is_grad_enabled
     _dispatch_modes = getattr(_torch._C, "_len_torch_dispatch_stack", lambda: 0)
+    # the innermost torch.func transform (grad, vmap, ...) in effect, or None
+    _functorch_transform = getattr(getattr(_torch._C, "_functorch", None),
+                                   "peek_interpreter_stack", lambda: None)
 
 
 # ------------------------------------------------------------------------------ shared helpers
@@ -103,9 +106,9 @@ def _check_out(op, out, kind, example):
 
 def _needs_torch_op(tensors):
     """True when the call must go through the registered torch op: a compiler is tracing, a
-    torch dispatch mode is active, a tensor subclass (fake, functional, ...) is involved, or
-    autograd has to record the call."""
-    if _is_compiling() or _dispatch_modes():
+    torch dispatch mode or torch.func transform is active, a tensor subclass (fake, functional,
+    ...) is involved, or autograd has to record the call."""
+    if _is_compiling() or _dispatch_modes() or _functorch_transform():
         return True
     for t in tensors:
         if type(t) is not _Tensor:
@@ -139,7 +142,7 @@ def mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
             _check_out("mhc_post", out, kind, x)
         if _needs_torch_op(inputs if out is None else inputs + (out,)):
             if out is None and _eager_autograd_call(inputs):
-                return _ops.MhcPostFunction.apply(*inputs)
+                return _eager(_ops.MhcPostFunction).apply(*inputs)
             return _ops.call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out)
         if out is None:
             out = _empty(residual)
@@ -182,9 +185,9 @@ _GELU_TANH = {"tanh": True, "none": False}
 def _direct_torch_call(tensors):
     """True when the C++ library can be called directly on `tensors` (None entries skipped): all
     are plain torch.Tensors or nn.Parameters, no compiler or torch dispatch mode is active, and
-    autograd has nothing to record. The cheap test of the common case; everything else takes the
-    general path."""
-    if _Tensor is None or _is_compiling() or _dispatch_modes():
+    autograd has nothing to record, under no torch.func transform. The cheap test of the common
+    case; everything else takes the general path."""
+    if _Tensor is None or _is_compiling() or _dispatch_modes() or _functorch_transform():
         return False
     grad = _grad_enabled()
     for t in tensors:
@@ -195,14 +198,27 @@ def _direct_torch_call(tensors):
 
 def _eager_autograd_call(tensors):
     """True when autograd records the call in plain eager mode (`tensors`, None entries skipped,
-    are plain torch.Tensors or nn.Parameters; no compiler or torch dispatch mode is active; grad
-    is enabled). Such calls take the operator's torch.autograd.Function, which calls the library
-    directly: the registered op's Python autograd wrapper costs several hundred microseconds of
-    host time a call, more than a small training step's kernels take. Compilers, modes and
-    subclasses keep the registered op."""
+    are plain torch.Tensors or nn.Parameters, one of them requires grad; no compiler or torch
+    dispatch mode is active; grad is enabled). Such calls take the operator's
+    torch.autograd.Function (_eager), which calls the library directly: the registered op's
+    Python autograd wrapper costs several hundred microseconds of host time a call, more than a
+    small training step's kernels take. Compilers, modes and subclasses keep the registered op."""
     if _Tensor is None or _is_compiling() or _dispatch_modes() or not _grad_enabled():
         return False
-    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+    grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) not in _PLAIN_TENSORS:
+                return False
+            grad = grad or t.requires_grad
+    return grad
+
+
+def _eager(function):
+    """The eager autograd Function `function`, or under a torch.func transform its form for
+    those (function.functorch: torch.func.grad and vjp differentiate through it; vmap and jvp
+    are refused with an error that says what to do instead)."""
+    return function.functorch if _functorch_transform() is not None else function
 
 
 def layernorm_linear_gelu(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5,
@@ -500,8 +516,8 @@ def _cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, resid
         return out
     inputs = (x, conv_weight, linear1_weight, linear2_weight)
     if out is None and _eager_autograd_call(inputs):
-        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps,
-                                             allow_tf32)[0]
+        return _eager(_ops.CheriBlockFunction).apply(*inputs, dilation, residual_scale, eps,
+                                                     allow_tf32)[0]
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
     if out is not None:
         _check_out("cheri_block", out, kind, x)
@@ -524,8 +540,8 @@ def cheri_block_train(x, conv_weight, linear1_weight, linear2_weight, dilation,
     if _direct_torch_call(inputs):
         return _ops.run_cheri_block_unsaved(*inputs, dilation, residual_scale, eps, allow_tf32)
     if _eager_autograd_call(inputs):
-        return _ops.CheriBlockFunction.apply(*inputs, dilation, residual_scale, eps,
-                                             allow_tf32)[:3]
+        return _eager(_ops.CheriBlockFunction).apply(*inputs, dilation, residual_scale, eps,
+                                                     allow_tf32)[:3]
     kind = _framework("cheri_block", _CHERI_ARGS, inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.cheri_block(*inputs, dilation, residual_scale, eps,
@@ -565,7 +581,7 @@ def dilated_conv_norm(x, conv_weight, dilation, *, eps=1e-3):
     if _direct_torch_call(inputs):
         return _ops.run_dilated_conv_norm(x, conv_weight, dilation, eps)
     if _eager_autograd_call(inputs):
-        return _ops.DilatedConvNormFunction.apply(x, conv_weight, dilation, eps)
+        return _eager(_ops.DilatedConvNormFunction).apply(x, conv_weight, dilation, eps)
     kind = _framework("dilated_conv_norm", ("x", "conv_weight"), inputs)
     if kind is _Tensor:
         return tuple(_torch.ops.fusekit.dilated_conv_norm(x, conv_weight, dilation, eps))

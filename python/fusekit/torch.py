@@ -40,6 +40,7 @@ record MhcPostFunction, DilatedConvNormFunction and CheriBlockFunction instead: 
 forward and backward calls of the library, without the ops' Python autograd wrappers.
 """
 
+import contextlib
 import math
 from typing import Optional
 
@@ -102,6 +103,86 @@ def _refuse_backward(op, name, message=None):
         raise _C.Error(message)
 
     op.register_autograd(backward, setup_context=setup_context)
+
+
+def _outside_transform():
+    """A context in which the innermost torch.func transform, if one is in effect, is set aside
+    (tensors made there are plain tensors)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()  # a vjp's function called after the transform returned
+    from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+
+    return temporarily_pop_interpreter_stack()
+
+
+def _functorch_form(name, function, run, setup_context, materialize_grads=True):
+    """Attaches to the eager autograd Function `function` (its forward `run` then
+    `setup_context`) the form torch.func transforms take, as function.functorch: the same forward,
+    context and backward with the context set up apart from the forward, which torch.func.grad
+    and vjp require (the transform calls the forward on the tensors it wraps, which the library
+    reads). Transforms that batch the differentiable call (vmap, and jacrev, which vmaps the
+    backward) or push tangents forward (jvp, jacfwd) are refused with an error (naming the
+    operator `name`) that says so."""
+    functorch = torch._C._functorch
+
+    def plain(t):
+        """t, or the tensor a single torch.func wrapper holds (the library reads plain tensors);
+        nested transforms are refused rather than differentiated as constants."""
+        if t is None or not functorch.is_functorch_wrapped_tensor(t):
+            return t
+        if functorch.is_batchedtensor(t):  # jacrev's vmap of the backward
+            raise refusal("vmap (or jacrev)")
+        inner = functorch.get_unwrapped(t)
+        if functorch.is_functorch_wrapped_tensor(inner):
+            raise _C.Error(f"{name}: nested torch.func transforms (such as grad of grad, or vmap "
+                           "of grad) are not supported; expected a single torch.func.grad or vjp")
+        return inner
+
+    class Unwrapped:
+        """The backward's context with its saved tensors as plain tensors."""
+
+        def __init__(self, ctx):
+            self.ctx = ctx
+            self.saved_tensors = tuple(plain(t) for t in ctx.saved_tensors)
+
+        def __getattr__(self, attribute):
+            return getattr(self.ctx, attribute)
+
+    def refusal(transform):
+        return _C.Error(f"{name}: torch.func {transform} of a call that autograd records is not "
+                        "supported; expected torch.func.grad or vjp, or the call under "
+                        "torch.no_grad() (where vmap runs it example by example)")
+
+    def refuse(transform):
+        def method(*args, **kwargs):
+            raise refusal(transform)
+
+        return staticmethod(method)
+
+    class Functorch(torch.autograd.Function):
+        @staticmethod
+        def forward(*inputs):
+            return run(*(plain(t) if isinstance(t, torch.Tensor) else t for t in inputs))
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            setup_context(ctx, inputs, output)
+            ctx.set_materialize_grads(materialize_grads)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            # the transform's backward runs under its level: the library's calls, and the
+            # gradients they are given to fill, step out of it
+            grads, unwrapped = tuple(plain(g) for g in grads), Unwrapped(ctx)
+            with _outside_transform():
+                return function.backward(unwrapped, *grads)
+
+        vmap = refuse("vmap (or jacrev)")
+        jvp = refuse("jvp (or jacfwd)")
+
+    Functorch.__name__ = Functorch.__qualname__ = f"{function.__name__}Functorch"
+    function.functorch = Functorch
+    return function
 
 
 def _refuse_out_under_autograd(op, tensors):
@@ -200,6 +281,9 @@ class MhcPostFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         return run_mhc_post_backward(grad_out, *ctx.saved_tensors)
+
+
+_functorch_form("mhc_post", MhcPostFunction, run_mhc_post, _mhc_post_setup_context)
 
 
 def call_mhc_post(x, residual, post_layer_mix, comb_res_mix, out=None):
@@ -576,6 +660,10 @@ class DilatedConvNormFunction(torch.autograd.Function):
         return (*grads, None, None)
 
 
+_functorch_form("dilated_conv_norm", DilatedConvNormFunction, run_dilated_conv_norm,
+                _dilated_conv_norm_setup_context, materialize_grads=False)
+
+
 def _cheri_saved_empty(x, linear1_weight, allow_tf32):
     """The buffer the training forward fills for the backward to read (uint8, as many bytes as
     the library asks for these shapes, dtype, device and options; often none)."""
@@ -732,6 +820,10 @@ class CheriBlockFunction(torch.autograd.Function):
         grads = run_cheri_block_backward(_contiguous_last(grad_out), *tensors, *ctx.options,
                                          saved)
         return (*grads, None, None, None, None)
+
+
+_functorch_form("cheri_block", CheriBlockFunction, run_cheri_block, _cheri_block_setup_context,
+                materialize_grads=False)
 
 
 def call_cheri_block(x, conv_weight, linear1_weight, linear2_weight, dilation, residual_scale,

@@ -16,6 +16,7 @@ operator only raises its "not implemented yet" error, and run for real once it l
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -392,6 +393,70 @@ def test_eager_autograd_matches_the_op(rng, device):
     assert_bitwise_equal(y, op_y, name="y", context=context)
     for name, g, op_g in zip(("grad_x", "grad_conv"), grads, op_grads):
         assert_bitwise_equal(g, op_g, name=name, context=context)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_grad_and_vjp(rng, device):
+    """torch.func.grad and vjp differentiate through the eager Functions' torch.func form:
+    bitwise the gradients of torch.autograd, for fusekit.cheri_block (x and the weights) and
+    dilated_conv_norm."""
+    inputs = make_inputs(rng, 2, 33, 48, device=device)
+    grad_out = rng.randn(2, 33, 48, device=device)
+    context = describe_case(rng, device=device)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    fusekit.cheri_block(*leaves, 4).backward(grad_out)
+    grads = torch.func.grad(lambda *a: (fusekit.cheri_block(*a, 4) * grad_out).sum(),
+                            argnums=(0, 1, 2, 3))(*inputs)
+    for name, g, leaf in zip(("grad_x", "grad_conv", "grad_w1", "grad_w2"), grads, leaves):
+        assert_bitwise_equal(g, leaf.grad, name=f"torch.func.grad {name}", context=context)
+    out, vjp = torch.func.vjp(lambda x: fusekit.cheri_block(x, *inputs[1:], 4), inputs[0])
+    assert_bitwise_equal(vjp(grad_out)[0], leaves[0].grad, name="vjp grad_x", context=context)
+    x = inputs[0].clone().requires_grad_()
+    fusekit.dilated_conv_norm(x, inputs[1], 4)[0].backward(grad_out)
+    g = torch.func.grad(lambda a: (fusekit.dilated_conv_norm(a, inputs[1], 4)[0] * grad_out).sum())
+    assert_bitwise_equal(g(inputs[0]), x.grad, name="dilated_conv_norm grad_x", context=context)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's loop over the op
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_module(rng, device):
+    """CheriBlock's parameters differentiated by torch.func.grad over functional_call, as
+    torch.autograd does; under torch.no_grad(), vmap runs the block example by example."""
+    block = fusekit.torch.CheriBlock(16, 3).to(device)
+    x = rng.randn(2, 21, 16, device=device)
+    params = dict(block.named_parameters())
+    grads = torch.func.grad(
+        lambda p: torch.func.functional_call(block, p, (x,)).square().sum())(params)
+    block(x).square().sum().backward()
+    context = describe_case(rng, device=device)
+    for name, p in block.named_parameters():
+        assert_bitwise_equal(grads[name], p.grad, name=name, context=context)
+    with torch.no_grad():
+        batched = torch.func.vmap(block)(torch.stack([x, 2 * x]))
+        for i, scale in enumerate((1, 2)):
+            assert_bitwise_equal(batched[i], block(scale * x), name=f"vmap {i}", context=context)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_refused(rng, device):
+    """The transforms the torch.func form does not take end in fusekit.Error, naming the op and
+    what to do instead, never in a wrong result: vmap and jacrev of a differentiable call, jvp,
+    and nested transforms."""
+    block = fusekit.torch.CheriBlock(16, 3).to(device)
+    x = rng.randn(2, 5, 16, device=device)
+    square = lambda a: block(a).square().sum()  # noqa: E731
+    cases = {
+        "vmap": (lambda: torch.func.vmap(block)(torch.stack([x, x])), "vmap"),
+        "jacrev": (lambda: torch.func.jacrev(block)(x[:1, :2]), "vmap (or jacrev)"),
+        "jvp": (lambda: torch.func.jvp(block, (x,), (x,)), "jvp (or jacfwd)"),
+        "grad of grad": (lambda: torch.func.grad(lambda a: torch.func.grad(square)(a).sum())(x),
+                         "nested torch.func transforms"),
+        "vmap of grad": (lambda: torch.func.vmap(torch.func.grad(square))(torch.stack([x, x])),
+                         "vmap"),
+    }
+    for name, (call, message) in cases.items():
+        with pytest.raises(fusekit.Error, match=f"cheri_block: .*{re.escape(message)}"):
+            call()
 
 
 @pytest.mark.parametrize("device", DEVICES)

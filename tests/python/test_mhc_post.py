@@ -326,6 +326,32 @@ def test_eager_autograd_matches_the_op(rng, device):
         assert_bitwise_equal(g, op_g, name=name, context=context)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's loop over the op
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_func_grad(rng, device):
+    """torch.func.grad and vjp differentiate through the eager Function's torch.func form, bitwise
+    as torch.autograd does; under vmap (whose tensors do not require grad) the call takes the
+    registered op, which torch runs slice by slice, and autograd outside differentiates that."""
+    inputs = make_inputs(rng, 7, 256, 4, torch.bfloat16, device, 2)
+    grad_out = rng.randn(7, 4, 256, dtype=torch.bfloat16, device=device)
+    context = describe_case(rng, device=device)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    fusekit.mhc_post(*leaves).backward(grad_out)
+    grads = torch.func.grad(lambda *a: (fusekit.mhc_post(*a).float() * grad_out).sum(),
+                            argnums=(0, 1, 2, 3))(*inputs)
+    _, vjp = torch.func.vjp(fusekit.mhc_post, *inputs)
+    for name, g, v, leaf in zip(("grad_x", "grad_residual", "grad_post", "grad_comb"), grads,
+                                vjp(grad_out), leaves):
+        assert_bitwise_equal(g, leaf.grad, name=f"torch.func.grad {name}", context=context)
+        assert_bitwise_equal(v, leaf.grad, name=f"vjp {name}", context=context)
+    batched = [torch.stack([t, t]).requires_grad_() for t in inputs]
+    torch.func.vmap(fusekit.mhc_post)(*batched).backward(torch.stack([grad_out, grad_out]))
+    for name, b, leaf in zip(("grad_x", "grad_residual", "grad_post", "grad_comb"), batched,
+                             leaves):
+        for i in range(2):
+            assert_bitwise_equal(b.grad[i], leaf.grad, name=f"vmap {name} {i}", context=context)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_sum(rng, device):
     """out.sum().backward() hands the backward a stride-0 gradient."""
