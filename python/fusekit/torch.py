@@ -37,7 +37,10 @@ differentiable); layernorm_linear_gelu, trimul, causal_attention and
 cheri_block_inference are forward only, and backpropagating through them raises fusekit.Error.
 In plain eager autograd fusekit.mhc_post, fusekit.dilated_conv_norm and fusekit.cheri_block
 record MhcPostFunction, DilatedConvNormFunction and CheriBlockFunction instead: the same
-forward and backward calls of the library, without the ops' Python autograd wrappers.
+forward and backward calls of the library, without the ops' Python autograd wrappers. Under a
+torch.func transform they take each Function's form for those (_functorch_form): grad and vjp
+differentiate through it; vmap or jacrev of a differentiable call, jvp and nested transforms
+raise fusekit.Error.
 """
 
 import contextlib
