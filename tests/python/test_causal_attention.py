@@ -670,12 +670,17 @@ def test_cuda_counts_outside_are_clamped(rng):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @requires_cuda_backend
-def test_cuda_second_device(rng):
-    q, k, v = make_qkv(rng, 2, 2, 65, 64, dtype=torch.bfloat16, device="cuda:1")
-    with torch.cuda.device(0):
-        out = fusekit.causal_attention(q, k, v, 7)
-    assert out.device == torch.device("cuda:1")
-    check(out, q, k, v, 7, describe_case(rng, device="cuda:1"))
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.float16),
+                                     (64, torch.float32), (40, torch.bfloat16)], ids=str)
+def test_cuda_second_device(rng, d, dtype):
+    """Both devices in one process, each called while device 0 is current: what a kernel sets up
+    once (its shared-memory opt-in, library handles, workspaces) is per device."""
+    for device in ("cuda:0", "cuda:1"):
+        q, k, v = make_qkv(rng, 2, 2, 65, d, dtype=dtype, device=device)
+        with torch.cuda.device(0):
+            out = fusekit.causal_attention(q, k, v, 7)
+        assert out.device == torch.device(device)
+        check(out, q, k, v, 7, describe_case(rng, device=device, D=d))
 
 
 # ------------------------------------------------------------------------------ errors

@@ -919,13 +919,24 @@ def test_cuda_runs_on_current_stream(rng):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @requires_cuda_backend
-def test_cuda_second_device(rng):
-    inputs = make_inputs(rng, 2, 65, 64, dtype=torch.bfloat16, device="cuda:1")
-    with torch.cuda.device(0):
-        out = fusekit.cheri_block(*inputs, 2)
-    assert out.device == torch.device("cuda:1")
-    check_out(out, inputs, 2, describe_case(rng, device="cuda:1"), inference=True,
-              device="cuda:1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_second_device(rng, dtype):
+    """Both devices in one process, each called while device 0 is current: what a kernel sets up
+    once (its shared-memory opt-in, library handles, workspaces) is per device."""
+    # C = 128: the warpgroup kernels of inference, training and backward
+    for device in ("cuda:0", "cuda:1"):
+        inputs = make_inputs(rng, 2, 129, 128, dtype=dtype, device=device)
+        grad_out = rng.randn(2, 129, 128, dtype=dtype, device=device)
+        with torch.cuda.device(0):
+            out = fusekit.cheri_block(*inputs, 2)
+            step_out, grads = block_step(inputs, grad_out, 2)
+        assert out.device == step_out.device == torch.device(device)
+        assert all(g.device == torch.device(device) for g in grads)
+        context = describe_case(rng, device=device, dtype=dtype)
+        check_out(out, inputs, 2, context, inference=True, device=device)
+        # under autograd TF32 products are allowed (the default), as in inference
+        check_out(step_out, inputs, 2, context, inference=True, device=device)
+        check_grads(grads, grad_out, inputs, 2, context)
 
 
 # ------------------------------------------------------------------------------ errors

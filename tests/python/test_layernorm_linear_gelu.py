@@ -481,12 +481,20 @@ def test_cuda_runs_on_current_stream(rng):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_cuda_second_device(rng):
-    inputs = make_inputs(rng, (7,), 127, 33, torch.bfloat16, "cuda:1")
-    with torch.cuda.device(0):
-        out = call(inputs)
-    assert out.device == torch.device("cuda:1")
-    check(out, inputs, describe_case(rng, device="cuda:1"))
+# cuBLASLt (K odd, and 700 rows), the warpgroup product (7 rows); float32 through cuBLASLt
+@pytest.mark.parametrize("rows,k,nout,dtype", [(7, 127, 33, torch.bfloat16),
+                                               (7, 128, 96, torch.bfloat16),
+                                               (700, 256, 200, torch.bfloat16),
+                                               (70, 64, 48, torch.float32)], ids=str)
+def test_cuda_second_device(rng, rows, k, nout, dtype):
+    """Both devices in one process, each called while device 0 is current: what a kernel sets up
+    once (its shared-memory opt-in, library handles, workspaces) is per device."""
+    for device in ("cuda:0", "cuda:1"):
+        inputs = make_inputs(rng, (rows,), k, nout, dtype, device)
+        with torch.cuda.device(0):
+            out = call(inputs)
+        assert out.device == torch.device(device)
+        check(out, inputs, describe_case(rng, device=device))
 
 
 # ------------------------------------------------------------------------------ errors

@@ -494,11 +494,18 @@ def test_cuda_runs_on_current_stream(rng):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_second_device(rng):
-    inputs = make_inputs(rng, 7, 1280, 4, torch.bfloat16, "cuda:1")
-    with torch.cuda.device(0):
-        out = fusekit.mhc_post(*inputs)
-    assert out.device == torch.device("cuda:1")
-    check_forward(out, inputs, describe_case(rng, device="cuda:1"))
+    """Both devices in one process, each called while device 0 is current: what a kernel sets up
+    once (its shared-memory opt-in, library handles, workspaces) is per device."""
+    for device in ("cuda:0", "cuda:1"):
+        inputs = make_inputs(rng, 7, 1280, 4, torch.bfloat16, device)
+        grad_out = rng.randn(7, 4, 1280, dtype=torch.bfloat16, device=device)
+        with torch.cuda.device(0):
+            out = fusekit.mhc_post(*inputs)
+            grads = fusekit.mhc_post_backward(grad_out, *inputs)
+        assert out.device == torch.device(device)
+        context = describe_case(rng, device=device)
+        check_forward(out, inputs, context)
+        check_backward(grads, grad_out, inputs, context)
 
 
 # ------------------------------------------------------------------------------ errors

@@ -531,12 +531,16 @@ def test_cuda_runs_on_current_stream(rng):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_cuda_second_device(rng):
-    x, m, w = make_inputs(rng.gen, 2, 33, 40, 24, device="cuda:1")
-    with torch.cuda.device(0):
-        out = fusekit.trimul(x, m, w)
-    assert out.device == torch.device("cuda:1")
-    check(out, expected_of(x, m, w), describe_case(rng, device="cuda:1"))
+@pytest.mark.parametrize("b,n,c,h", [(2, 33, 40, 24), (1, 33, 128, 128)])
+def test_cuda_second_device(rng, b, n, c, h):
+    """Both devices in one process, each called while device 0 is current: what a kernel sets up
+    once (its shared-memory opt-in, library handles, workspaces) is per device."""
+    for device in ("cuda:0", "cuda:1"):
+        x, m, w = make_inputs(rng.gen, b, n, c, h, device=device)
+        with torch.cuda.device(0):
+            out = fusekit.trimul(x, m, w)
+        assert out.device == torch.device(device)
+        check(out, expected_of(x, m, w), describe_case(rng, device=device, C=c, H=h))
 
 
 # ------------------------------------------------------------------------------ errors
