@@ -70,7 +70,9 @@ struct TensorView {
 };
 
 /// A CUDA stream (a cudaStream_t) on which an operator runs; ignored on the CPU. The default,
-/// a null handle, is the legacy default stream.
+/// a null handle, is the legacy default stream (of the tensors' device). A stream of another
+/// device is an Error, except while it is being captured into a graph, when CUDA cannot be asked
+/// its device: such a capture records kernels that fault when the graph is launched.
 struct Stream {
   void* handle = nullptr;
 };

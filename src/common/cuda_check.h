@@ -7,6 +7,7 @@
 #include <cstddef>
 
 #include "fusekit/error.h"
+#include "fusekit/tensor.h"
 
 namespace fusekit::detail {
 
@@ -42,6 +43,13 @@ bool has_warpgroup_mma(int device);
 /// and all of one multiprocessor's.
 int max_shared_memory_per_block(int device);
 int shared_memory_per_multiprocessor(int device);
+
+/// The operator's stream, checked to belong to `device` (the tensors'); call it under the
+/// CudaDeviceGuard of `device`. A stream made on another device would fail at the first launch
+/// with a CUDA error naming no argument. The default streams (null, cudaStreamLegacy,
+/// cudaStreamPerThread) are the current device's, so they always belong. A stream that is being
+/// captured cannot be asked, and is not checked.
+cudaStream_t stream_on(const char* op, Stream stream, int device);
 
 }  // namespace fusekit::detail
 

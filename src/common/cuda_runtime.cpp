@@ -76,6 +76,22 @@ int shared_memory_per_multiprocessor(int device) {
   return cached_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
 }
 
+cudaStream_t stream_on(const char* op, Stream stream, int device) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return s;
+#if CUDART_VERSION >= 12080
+  // Asking a stream that is being captured fails and invalidates the capture.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FUSEKIT_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return s;
+  int owner = 0;
+  FUSEKIT_CUDA_CHECK(cudaStreamGetDevice(s, &owner));
+  FUSEKIT_CHECK(owner == device, op, ": stream belongs to cuda:", owner,
+                " but the tensors are on cuda:", device, "; expected a stream of cuda:", device);
+#endif
+  return s;
+}
+
 cudaMemPool_t workspace_pool(int device) {
   static std::mutex mutex;
   static std::map<int, cudaMemPool_t> pools;

@@ -38,6 +38,10 @@ class CudaTest : public Seeded<Base> {
   }
 };
 
+/// In a test that needs a second CUDA device: skips, saying so, where there is none.
+#define SKIP_WITHOUT_TWO_DEVICES()                                                          \
+  if (fusekit::cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices"
+
 /// Captures what `enqueue` puts on `stream` (global mode) into `*graph`. A fusekit::Error thrown
 /// while capturing ends the capture, leaves `*graph` null and fails the test (call through
 /// ASSERT_NO_FATAL_FAILURE).
@@ -102,6 +106,14 @@ inline void count_graph_nodes(cudaGraph_t graph, GraphNodeCounts& counts) {
 class OwnStream {
  public:
   OwnStream() { EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess); }
+  /// A stream of `device`; the current device stays as it was.
+  explicit OwnStream(int device) {
+    int current = 0;
+    EXPECT_EQ(cudaGetDevice(&current), cudaSuccess);
+    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaSetDevice(current), cudaSuccess);
+  }
   ~OwnStream() { cudaStreamDestroy(stream_); }
   OwnStream(const OwnStream&) = delete;
   OwnStream& operator=(const OwnStream&) = delete;

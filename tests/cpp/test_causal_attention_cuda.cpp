@@ -625,6 +625,24 @@ TEST_F(AttentionCudaMisc, RunsOnTheGivenStream) {
   expect_same_outputs(on_stream, on_default, "on its own stream against the default");
 }
 
+// Tensors on the second device while the first is current: a stream of the first is rejected
+// before anything runs, one of the second runs the warpgroup kernel there.
+TEST_F(AttentionCudaMisc, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const AttentionCase c{2, 4, 2, 129, 64, kPerSeq, {}, DType::BFloat16};
+  const AttentionInputs in = make_attention_inputs(c, rng_);
+  const AttentionTensors t = upload_attention(in, c, Device::cuda(1));
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS("causal_attention: stream belongs to cuda:0 but the tensors are on cuda:1",
+                        [&] { run_attention(t, c, of_first.stream()); });
+  expect_untouched(t.out, "out");
+  const OwnStream of_second(1);
+  run_attention(t, c, of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  expect_only_view_written(t.out, "out");
+  expect_attention_cuda_close(download_attention(t, c), attention_float64(in, c), in.n_padd, c);
+}
+
 TEST_F(AttentionCudaMisc, MixedDevicesAreRejected) {
   const AttentionCase c{2, 2, 1, 5, 8, kPerSeq, {1, 2}};
   const AttentionInputs in = make_attention_inputs(c, rng_);

@@ -600,6 +600,51 @@ TEST_F(CheriCudaMisc, RunsOnTheGivenStream) {
   expect_same_bytes(on_stream.grad_linear1, on_default.grad_linear1, "grads.linear1_weight");
 }
 
+// Tensors on the second device while the first is current: a stream of the first is rejected
+// before anything runs, by every call; one of the second runs the warpgroup kernels there.
+TEST_F(CheriCudaMisc, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const CheriCase c{2, 200, 128, 2, 4, DType::BFloat16};
+  const CheriInputs in = make_cheri_inputs(c, rng_);
+  const CheriTensors t = upload_cheri(in, c, Device::cuda(1));
+  const OwnStream of_first;
+  const fusekit::Stream first = of_first.stream();
+  const std::string belongs = ": stream belongs to cuda:0 but the tensors are on cuda:1";
+  EXPECT_ERROR_CONTAINS("cheri_block_inference" + belongs, [&] {
+    fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options(), first);
+  });
+  EXPECT_ERROR_CONTAINS("cheri_block" + belongs, [&] {
+    fusekit::cheri_block(t.out.view, t.mean.view, t.rstd.view, t.x.view, t.weights(),
+                         c.block_options(), first);
+  });
+  EXPECT_ERROR_CONTAINS("cheri_block_backward" + belongs, [&] {
+    fusekit::cheri_block_backward(t.grad_x.view, t.grads(), t.grad_out.view, t.x.view,
+                                  t.weights(), t.mean_in.view, t.rstd_in.view, c.block_options(),
+                                  first);
+  });
+  EXPECT_ERROR_CONTAINS("dilated_conv_norm" + belongs, [&] {
+    fusekit::dilated_conv_norm(t.out.view, t.mean.view, t.rstd.view, t.x.view,
+                               t.conv_weight.view, c.conv_options(), first);
+  });
+  EXPECT_ERROR_CONTAINS("dilated_conv_norm_backward" + belongs, [&] {
+    fusekit::dilated_conv_norm_backward(t.grad_x.view, t.grad_conv_weight.view, t.grad_out.view,
+                                        t.x.view, t.conv_weight.view, t.mean_in.view,
+                                        t.rstd_in.view, c.conv_options(), first);
+  });
+  for (const DeviceTensor* u : {&t.out, &t.mean, &t.rstd, &t.grad_x, &t.grad_conv_weight}) {
+    expect_untouched(*u, u->view.describe());
+  }
+  const OwnStream of_second(1);
+  fusekit::cheri_block_inference(t.out.view, t.x.view, t.weights(), c.block_options(),
+                                 of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  const CheriBlockResult ref =
+      fusekit::testing::cheri_block_reference(in.x, in.w, c.dilation, c.residual_scale, c.eps);
+  expect_only_view_written(t.out, "out");
+  expect_close(fusekit::testing::download(t.out.view), ref.out,
+               cheri_relative_to_max(ref.out, cheri_fast_path_bound(c.dtype)), "out");
+}
+
 // ------------------------------------------------------------------------------------ graphs
 
 class CheriCudaGraph : public CudaTest<::testing::TestWithParam<DType>> {};

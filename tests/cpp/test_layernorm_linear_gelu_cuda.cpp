@@ -249,6 +249,25 @@ TEST_F(LolaCudaMisc, RunsOnTheGivenStream) {
                "out");
 }
 
+// Tensors on the second device while the first is current: a stream of the first is rejected
+// before anything runs, one of the second runs the warpgroup product there.
+TEST_F(LolaCudaMisc, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const LolaCase c{{7}, 128, 96, true, true, GeluApproximation::Tanh};
+  const LolaInputs in = make_lola_inputs(c, DType::BFloat16, rng_);
+  const LolaTensors t = upload_lola(in, c, DType::BFloat16, Device::cuda(1));
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS("layernorm_linear_gelu: stream belongs to cuda:0 but the tensors are on "
+                        "cuda:1",
+                        [&] { run_lola(t, c, {}, of_first.stream()); });
+  expect_untouched(t.out, "out");
+  const OwnStream of_second(1);
+  run_lola(t, c, {}, of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  expect_close(download_lola(t, c), lola_reference(in, c), lola_cuda_tolerance(DType::BFloat16),
+               "out");
+}
+
 class LolaCudaGraph
     : public CudaTest<::testing::TestWithParam<std::tuple<GeluApproximation, std::int64_t>>> {};
 

@@ -254,6 +254,24 @@ TEST_P(MhcPostCudaForward, OnANonDefaultStream) {
   expect_forward_matches(download(out.view), in, dtype);
 }
 
+// Tensors on the second device while the first is current: a stream of the first is rejected
+// before anything runs, one of the second runs there.
+TEST_P(MhcPostCudaForward, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const DType dtype = GetParam();
+  const MhcInputs in = make_mhc_inputs(16, 4, 4096, dtype, rng_);
+  const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, Device::cuda(1));
+  const DeviceTensor out = empty_poisoned(in.residual.shape, dtype, Device::cuda(1));
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS("mhc_post: stream belongs to cuda:0 but the tensors are on cuda:1",
+                        [&] { run_mhc_post(out, d, of_first.stream()); });
+  expect_untouched(out, "out");
+  const OwnStream of_second(1);
+  run_mhc_post(out, d, of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  expect_forward_matches(download(out.view), in, dtype);
+}
+
 TEST_P(MhcPostCudaForward, IsBitwiseDeterministic) {
   const DType dtype = GetParam();
   const MhcInputs in = make_mhc_inputs(8, 4, 7168, dtype, rng_);
@@ -491,6 +509,26 @@ TEST_P(MhcPostCudaBackward, OnANonDefaultStream) {
   expect_device_ok();  // the uploads and the poison (legacy stream) are done: s does not wait
   run_mhc_post_backward(grads, g, d, s.stream());
   ASSERT_CUDA(cudaStreamSynchronize(s.get()));
+  expect_backward_matches(download_grads(grads), in, grad_out, dtype);
+}
+
+TEST_P(MhcPostCudaBackward, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const DType dtype = GetParam();
+  const std::int64_t n = 8, hc = 4, h = 7168;
+  const Device second = Device::cuda(1);
+  const MhcInputs in = make_mhc_inputs(n, hc, h, dtype, rng_);
+  const HostTensor grad_out = make_grad_out(n, hc, h, dtype, rng_);
+  const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, second);
+  const DeviceTensor g = upload(grad_out, dtype, second);
+  const MhcGradTensors grads = empty_mhc_grads(in, dtype, second);
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS("mhc_post_backward: stream belongs to cuda:0 but the tensors are on cuda:1",
+                        [&] { run_mhc_post_backward(grads, g, d, of_first.stream()); });
+  expect_untouched(grads.grad_x, "grad_x");
+  const OwnStream of_second(1);
+  run_mhc_post_backward(grads, g, d, of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
   expect_backward_matches(download_grads(grads), in, grad_out, dtype);
 }
 

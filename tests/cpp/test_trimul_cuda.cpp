@@ -414,6 +414,25 @@ TEST_F(TrimulCudaMisc, RunsOnTheGivenStream) {
   expect_same_bytes(on_stream.out, on_default.out, "out on its own stream against the default");
 }
 
+// Tensors on the second device while the first is current: a stream of the first is rejected
+// before anything runs, one of the second runs the warpgroup projection there.
+TEST_F(TrimulCudaMisc, SecondDeviceAndItsStream) {
+  SKIP_WITHOUT_TWO_DEVICES();
+  const TrimulCase c{1, 33, 128, 128, kOutgoing, TrimulMask::Random, TrimulDist::Normal,
+                     DType::BFloat16};
+  const TrimulInputs in = make_trimul_inputs(c, rng_);
+  const TrimulTensors t = upload_trimul(in, c, Device::cuda(1));
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS("trimul: stream belongs to cuda:0 but the tensors are on cuda:1",
+                        [&] { run_trimul(t, c, of_first.stream()); });
+  expect_untouched(t.out, "out");
+  const OwnStream of_second(1);
+  run_trimul(t, c, of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  expect_only_view_written(t.out, "out");
+  expect_matches_float64(download_trimul(t), in, c);
+}
+
 TEST_F(TrimulCudaMisc, EpsIsUsed) {
   // eps 0.5 against x and p of unit size: a result far from that of eps 1e-5 (the CUDA backend
   // normalises p / N, with eps / N^2)

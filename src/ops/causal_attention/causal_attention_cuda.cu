@@ -1279,7 +1279,7 @@ void launch_causal_attention(const CausalAttentionParams& p, int device, Stream 
   a.vector_stores = p.d % 2 == 0 && aligned(p.out, 2 * elem) && strides_divisible(p.out_stride, 2);
   a.piece_stores = p.d % piece == 0 && aligned(p.out, 16) && strides_divisible(p.out_stride, piece);
 
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on(kOp, stream, device);
   if (p.kernel != AttentionKernel::MmaSync) {
     if (try_launch_wg(a, p, device, s)) return;
     FUSEKIT_CHECK(p.kernel == AttentionKernel::Auto, kOp,

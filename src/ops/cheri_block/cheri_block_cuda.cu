@@ -3900,7 +3900,7 @@ Fused try_fused(const CheriBlockParams& p, int device, cudaStream_t stream) {
 
 void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("dilated_conv_norm", stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     Carve carve;
@@ -3919,7 +3919,7 @@ void launch_dilated_conv_norm(const CheriBlockParams& p, int device, Stream stre
 
 void launch_dilated_conv_norm_backward(const CheriBlockParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("dilated_conv_norm_backward", stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     const StreamWorkspace ws(floats(3 * p.c), s);
@@ -3931,7 +3931,7 @@ void launch_dilated_conv_norm_backward(const CheriBlockParams& p, int device, St
 
 void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("cheri_block", stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     // With TF32 allowed, float32 takes the fused kernel where it applies: its float16 operands
@@ -3947,7 +3947,7 @@ void launch_cheri_block(const CheriBlockParams& p, int device, Stream stream) {
 
 void launch_cheri_block_backward(const CheriBlockParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("cheri_block_backward", stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     block_backward<T>(p, device, s);
@@ -3963,7 +3963,7 @@ std::int64_t cheri_block_saved_bytes_cuda(const CheriBlockParams& p, int device)
 
 void launch_cheri_block_inference(const CheriBlockParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("cheri_block_inference", stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     using T = typename CudaType<decltype(tag)::value>::type;
     if (try_fused<T>(p, device, s) == Fused::kNone) {

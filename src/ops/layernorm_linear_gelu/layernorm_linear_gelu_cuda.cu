@@ -1046,7 +1046,7 @@ void run(const LayerNormLinearGeluParams& p, int device, cudaStream_t stream) {
 
 void launch_layernorm_linear_gelu(const LayerNormLinearGeluParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on(kOp, stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     run<typename CudaType<decltype(tag)::value>::type>(p, device, s);
   });

@@ -384,7 +384,7 @@ void launch_mhc_post(const MhcPostParams& p, int device, Stream stream) {
   CudaDeviceGuard guard(device);
   const MhcPostConfig c =
       select_mhc_post_config(p, multiprocessor_count(device), compute_capability_major(device));
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("mhc_post", stream, device);
   using Path = MhcPostConfig::Path;
   if (c.path != Path::Bulk) check_grid("mhc_post", p.n, c.blocks_per_row);
   const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(c.blocks_per_row));
@@ -413,7 +413,7 @@ void launch_mhc_post_backward(const MhcPostBackwardParams& p, int device, Stream
   const MhcPostBackwardConfig c = select_mhc_post_backward_config(p, multiprocessor_count(device));
   check_grid("mhc_post_backward", p.n, c.chunks);
   const dim3 grid(static_cast<unsigned>(p.n), static_cast<unsigned>(c.chunks));
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on("mhc_post_backward", stream, device);
   const std::int64_t reductions = p.hc + p.hc * p.hc;
   StreamWorkspace partial(c.chunks > 1 ? p.n * c.chunks * reductions * sizeof(float) : 0, s);
 

@@ -1570,7 +1570,7 @@ void run(const TrimulParams& p, int device, cudaStream_t stream) {
 
 void launch_trimul(const TrimulParams& p, int device, Stream stream) {
   const CudaDeviceGuard guard(device);
-  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const cudaStream_t s = stream_on(kOp, stream, device);
   dispatch_floating(p.dtype, kOp, [&](auto tag) {
     run<typename CudaType<decltype(tag)::value>::type>(p, device, s);
   });
