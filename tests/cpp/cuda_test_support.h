@@ -42,6 +42,11 @@ class CudaTest : public Seeded<Base> {
 #define SKIP_WITHOUT_TWO_DEVICES()                                                          \
   if (fusekit::cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices"
 
+/// The error of operator `op` given a stream of cuda:0 for tensors on cuda:1.
+inline std::string stream_of_first_device_error(const std::string& op) {
+  return op + ": stream belongs to cuda:0 but the tensors are on cuda:1";
+}
+
 /// Captures what `enqueue` puts on `stream` (global mode) into `*graph`. A fusekit::Error thrown
 /// while capturing ends the capture, leaves `*graph` null and fails the test (call through
 /// ASSERT_NO_FATAL_FAILURE).
@@ -123,6 +128,21 @@ class OwnStream {
  private:
   cudaStream_t stream_ = nullptr;
 };
+
+/// For an operator `op` whose tensors are on cuda:1 while cuda:0 is current: `run(stream)` given a
+/// stream of cuda:0 throws the error naming both devices and writes none of `outputs`; given a
+/// stream of cuda:1 it runs, and has finished when this returns, for the caller to check its
+/// results (call through ASSERT_NO_FATAL_FAILURE).
+template <typename Run>
+void run_on_the_second_device(const std::string& op,
+                              std::initializer_list<const DeviceTensor*> outputs, Run&& run) {
+  const OwnStream of_first;
+  EXPECT_ERROR_CONTAINS(stream_of_first_device_error(op), [&] { run(of_first.stream()); });
+  for (const DeviceTensor* t : outputs) expect_untouched(*t, t->view.describe());
+  const OwnStream of_second(1);
+  run(of_second.stream());
+  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+}
 
 /// What `enqueue` puts on a stream, captured into a graph, instantiated at its first replay;
 /// both are destroyed with this, whatever the test's assertions did.

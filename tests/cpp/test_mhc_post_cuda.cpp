@@ -262,13 +262,8 @@ TEST_P(MhcPostCudaForward, SecondDeviceAndItsStream) {
   const MhcInputs in = make_mhc_inputs(16, 4, 4096, dtype, rng_);
   const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, Device::cuda(1));
   const DeviceTensor out = empty_poisoned(in.residual.shape, dtype, Device::cuda(1));
-  const OwnStream of_first;
-  EXPECT_ERROR_CONTAINS("mhc_post: stream belongs to cuda:0 but the tensors are on cuda:1",
-                        [&] { run_mhc_post(out, d, of_first.stream()); });
-  expect_untouched(out, "out");
-  const OwnStream of_second(1);
-  run_mhc_post(out, d, of_second.stream());
-  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  ASSERT_NO_FATAL_FAILURE(run_on_the_second_device(
+      "mhc_post", {&out}, [&](fusekit::Stream s) { run_mhc_post(out, d, s); }));
   expect_forward_matches(download(out.view), in, dtype);
 }
 
@@ -522,13 +517,9 @@ TEST_P(MhcPostCudaBackward, SecondDeviceAndItsStream) {
   const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, second);
   const DeviceTensor g = upload(grad_out, dtype, second);
   const MhcGradTensors grads = empty_mhc_grads(in, dtype, second);
-  const OwnStream of_first;
-  EXPECT_ERROR_CONTAINS("mhc_post_backward: stream belongs to cuda:0 but the tensors are on cuda:1",
-                        [&] { run_mhc_post_backward(grads, g, d, of_first.stream()); });
-  expect_untouched(grads.grad_x, "grad_x");
-  const OwnStream of_second(1);
-  run_mhc_post_backward(grads, g, d, of_second.stream());
-  ASSERT_CUDA(cudaStreamSynchronize(of_second.get()));
+  ASSERT_NO_FATAL_FAILURE(run_on_the_second_device(
+      "mhc_post_backward", {&grads.grad_x, &grads.grad_residual, &grads.grad_post, &grads.grad_comb},
+      [&](fusekit::Stream s) { run_mhc_post_backward(grads, g, d, s); }));
   expect_backward_matches(download_grads(grads), in, grad_out, dtype);
 }
 
