@@ -1483,13 +1483,6 @@ __device__ __forceinline__ void copy_rows_tile(const CheriActivation& a, T* xs, 
   cp_async_commit();
 }
 
-/// copy_rows_tile of x.
-template <typename T, int kC>
-__device__ __forceinline__ void copy_x_tile(T* xs, std::int64_t tile, const CheriBlockParams& p,
-                                            int t) {
-  copy_rows_tile<T, kC>(p.x, xs, tile, p, t);
-}
-
 /// p, hidden from the optimiser: offsets added to it afterwards stay immediates of the accesses
 /// rather than 64-bit additions of their own.
 template <typename P>
@@ -1661,7 +1654,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::int64_t rows = p.n * p.l, tiles = ceil_div(rows, kWgRows), len = p.l;
   const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
   const auto sync_warpgroup = [&] { named_barrier_sync(1 + wg, kWgThreads); };
-  const auto issue_x = [&](std::int64_t tile) { copy_x_tile<T, kC>(xs, tile, p, t); };
+  const auto issue_x = [&](std::int64_t tile) { copy_rows_tile<T, kC>(p.x, xs, tile, p, t); };
 
   std::int64_t tile = 2 * static_cast<std::int64_t>(blockIdx.x) + wg;
   if (tile < tiles) issue_x(tile);
@@ -2455,7 +2448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                           {p.saved_rstd.data, p.saved_rstd.stride},
                                           [](int, int, float2) {});
       sync_warpgroup();  // every warp is done with xs
-      if (tile + stride < tiles) copy_x_tile<T, kC>(xs, tile + stride, p, t);
+      if (tile + stride < tiles) copy_rows_tile<T, kC>(p.x, xs, tile + stride, p, t);
     }
 
     if constexpr (kSaved) {
