@@ -2,13 +2,13 @@
 // for every GPU, dtype and layout (below), one on Hopper's warpgroup MMAs for bfloat16 and float16
 // at D = 64 and 128 (further down, "the warpgroup kernel").
 //
-// The mma.sync kernel: a block takes kBlockM query rows of one (sequence, head), 16 rows per warp, and walks the keys
-// from the sequence's first real token to its last row in tiles of kBlockN, double-buffered in
-// shared memory by cp.async. Key tiles start at the padding count itself, so no padded K or V row
-// is ever read, and the walk stops at the block's last row, so no tile lies wholly after the
-// causal diagonal; rows past the end of the keys' range are filled with zeros. For each tile a
-// warp computes its 16 x kBlockN scores on tensor cores, masks the keys after each row's
-// diagonal, and updates its rows' online softmax: the running max m (in log2 units, the scale
+// The mma.sync kernel: a block takes kBlockM query rows of one (sequence, head), 16 rows per warp,
+// and walks the keys from the sequence's first real token to its last row in tiles of kBlockN,
+// double-buffered in shared memory by cp.async. Key tiles start at the padding count itself, so no
+// padded K or V row is ever read, and the walk stops at the block's last row, so no tile lies
+// wholly after the causal diagonal; rows past the end of the keys' range are filled with zeros. For
+// each tile a warp computes its 16 x kBlockN scores on tensor cores, masks the keys after each
+// row's diagonal, and updates its rows' online softmax: the running max m (in log2 units, the scale
 // folded in), the running sum l and the output accumulator, rescaled by exp2(m_old - m_new) when
 // the max rises. The probabilities stay in registers as the A operand of the product with V.
 //
@@ -33,6 +33,7 @@
 #include "common/cuda_check.h"
 #include "common/cuda_math.cuh"
 #include "common/cuda_mma.cuh"
+#include "common/cuda_types.cuh"
 #include "common/cuda_wgmma.cuh"
 #include "common/dispatch.h"
 #include "common/tensor_map.h"
@@ -125,6 +126,17 @@ struct HalfMma {
     } else {
       const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
       return *reinterpret_cast<const std::uint32_t*>(&h);
+    }
+  }
+
+  // The sum of a packed pair's two values, as floats.
+  static __device__ __forceinline__ float pair_sum(std::uint32_t w) {
+    if constexpr (std::is_same_v<T, __half>) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+      return f.x + f.y;
+    } else {
+      const float2 f = widen_bf16x2(w);
+      return f.x + f.y;
     }
   }
 
@@ -369,24 +381,28 @@ __device__ __forceinline__ RowEnd end_row(float l, int row, int pad) {
   return {l, real, real ? 1.0f / l : 0.0f};
 }
 
-// The lse of a row, by lane 0 of its quad (m in log2 units): -inf where it takes no weights.
-// Nothing where the caller asked for no lse, nor for rows at or past T (`below_t` false).
+// The lse of a row, by lane 0 of its quad (m in log2 units, l_exp the sum of its exponentials
+// in float32): -inf where it takes no weights. Nothing where the caller asked for no lse, nor for
+// rows at or past T (`below_t` false).
 __device__ __forceinline__ void store_lse(const Args& a, int b, int h, int row, bool below_t,
-                                          int t4, const RowEnd& e, float m) {
+                                          int t4, const RowEnd& e, float m, float l_exp) {
   if (a.lse && t4 == 0 && below_t) {
     float* lse = a.lse + b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2];
-    *lse = e.real ? m * kLn2 + logf(e.l) : -INFINITY;
+    *lse = e.real ? m * kLn2 + logf(l_exp) : -INFINITY;
   }
 }
 
 // The end of one row's walk, by the four lanes of its quad: their parts of l summed, out = o / l
-// in columns 8 n + 2 t4 and 8 n + 2 t4 + 1 (those below D) for n < kChunks, and the lse;
+// in columns 8 n + 2 t4 and 8 n + 2 t4 + 1 (those below D) for n < kChunks, and the lse (from
+// the parts l_exp_part, which may be l_part's);
 // padding rows and rows with no key get zeros and -inf. `o_pair(n, x)` gives the row's two
 // accumulators of chunk n. Rows at or past T are left alone (the quad's lanes still shuffle).
 template <int kChunks, typename T, typename Pair>
 __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, int row, int pad,
-                                          int t4, float l_part, float m, Pair o_pair) {
+                                          int t4, float l_part, float l_exp_part, float m,
+                                          Pair o_pair) {
   const float l = quad_sum(l_part);
+  const float l_exp = a.lse ? quad_sum(l_exp_part) : l;
   if (row >= a.t) return;
   const RowEnd e = end_row(l, row, pad);
   T* dst = out + row * a.out_stride[2];
@@ -400,12 +416,13 @@ __device__ __forceinline__ void store_row(const Args& a, T* out, int b, int h, i
                  a.vector_stores, c + 1 < a.d);
     }
   }
-  store_lse(a, b, h, row, true, t4, e, m);  // rows at or past T returned above
+  store_lse(a, b, h, row, true, t4, e, m, l_exp);  // rows at or past T returned above
 }
 
 // The end of a warpgroup's 64 rows in the warpgroup kernel, where out takes 16-byte pieces: each
 // thread writes its rows' o / l (as store_row: zeros for padding rows and rows with no key, the
-// lse) into `staged`, the warpgroup's rows of the query tile as they landed: a block of 64
+// lse, from l_exp_part: see the warpgroup kernel's sums) into `staged`, the warpgroup's rows
+// of the query tile as they landed: a block of 64
 // columns after another, kTileRows rows of 128 bytes each, the 16-byte pieces of row r in the
 // order piece ^ (r % 8), so that neither the writes nor the reads meet bank conflicts. After the
 // warpgroup's barrier a rolled loop copies whole pieces to out: the code fetched after the
@@ -419,7 +436,8 @@ template <int kD, int kTileRows, typename T, typename O>
 __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, int h, int row0,
                                                   int pad, unsigned char* staged, int barrier,
                                                   const float (&l_part)[2], const float (&m)[2],
-                                                  const O& o, const CUtensorMap* o_map) {
+                                                  const float (&l_exp_part)[2], const O& o,
+                                                  const CUtensorMap* o_map) {
   const int wg_tid = threadIdx.x % 128, g = (wg_tid % 32) / 4, t4 = wg_tid % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -433,7 +451,7 @@ __device__ __forceinline__ void store_rows_staged(const Args& a, T* out, int b, 
       *reinterpret_cast<std::uint32_t*>(dst + (n / 8) * kTileRows * 128 + 16 * ((n % 8) ^ g)) =
           HalfMma<T>::pack(x0, x1);
     }
-    store_lse(a, b, h, row, row < a.t, t4, e, m[r]);
+    if (a.lse) store_lse(a, b, h, row, row < a.t, t4, e, m[r], quad_sum(l_exp_part[r]));
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (o_map) {
@@ -516,7 +534,17 @@ __device__ __forceinline__ float lane_row_max(Score score) {
   return part[0];
 }
 
-// Replaces this lane's scores of the row by exp2(scale_log2 score - m_use) and returns their sum.
+// Replaces this lane's scores of the row by exp2(scale_log2 score - m_use).
+template <int kChunks, typename Score>
+__device__ __forceinline__ void lane_row_exp(Score score, float scale_log2, float m_use) {
+#pragma unroll
+  for (int n = 0; n < kChunks; ++n) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) score(n, e) = fast_exp2(fmaf(score(n, e), scale_log2, -m_use));
+  }
+}
+
+// The same, and returns their sum.
 template <int kChunks, int kPartial, typename Score>
 __device__ __forceinline__ float lane_row_exp_sum(Score score, float scale_log2, float m_use) {
   float part[kPartial];
@@ -759,7 +787,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       store_row<kD / 8>(a, out, b, h, warp_row0 + mt * 16 + g + 8 * r, pad, t4, l_run[mt][r],
-                        m_run[mt][r], [&](int n, float (&x)[2]) {
+                        l_run[mt][r], m_run[mt][r], [&](int n, float (&x)[2]) {
                           x[0] = o[mt][n][2 * r];
                           x[1] = o[mt][n][2 * r + 1];
                         });
@@ -814,8 +842,8 @@ struct WgConfig {
   static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
   static constexpr std::size_t kSharedBytes =
       1024 + kBarrierOffset + 8 * (1 + (kSplitRelease ? 4 : 3) * kStages);
-  // What a warpgroup hands another at the end, per thread: m and l of two rows, and O.
-  static constexpr int kMergeFloats = 4 + kD / 2;
+  // What a warpgroup hands another at the end, per thread: m, l and l_exp of two rows, and O.
+  static constexpr int kMergeFloats = 6 + kD / 2;
   static_assert(kD == 64 || kD == 128);
   static_assert(kBlockN == 64 || kBlockN == 128);
   static_assert(kStages >= 2);
@@ -917,7 +945,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const int warp_row0 = wg_row0 + 16 * wg_warp;
 
   float o[kD / 2] = {};  // columns 8 n + 2 t4 + (e & 1) of rows g + 8 (e >> 1): o[4 n + e]
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // m in log2 units
+  // The running max m (log2 units) may lag the row's own by up to kLazyRescaleLog2 (softmax_row),
+  // so the row's largest weight need not be 1, and P V takes it rounded. l sums P as rounded, so
+  // that out = P V / l weighs the values in P's own proportions (with l over the unrounded
+  // exponentials a peaked row's out took that rounding whole: on the H200 the largest errors
+  // were 1.6 times SDPA's, at T = 4096 with scores ~ N(0, 16)). The lse takes l_exp, the
+  // float32 exponentials' sum, kept only when it is asked for.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, l_exp[2] = {0.0f, 0.0f};
 
   if (key_tiles > 0) {
     const std::uint64_t q_desc =
@@ -982,7 +1016,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         if (__all_sync(0xffffffffu, keep)) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            l_run[r] += lane_row_exp_sum<kBlockN / 8, 4>(score(r), a.scale_log2, m_run[r]);
+            if (a.lse) {
+              l_exp[r] += lane_row_exp_sum<kBlockN / 8, 4>(score(r), a.scale_log2, m_run[r]);
+            } else {
+              lane_row_exp<kBlockN / 8>(score(r), a.scale_log2, m_run[r]);
+            }
           }
         } else {
           float alpha[2];
@@ -990,9 +1028,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             alpha[r] = softmax_row<kBlockN / 8, 4, true>(lane_max[r], score(r), a.scale_log2,
-                                                         m_run[r], l_run[r], &moved);
+                                                         m_run[r], l_exp[r], &moved);
           }
           if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) l_run[r] *= alpha[r];
 #pragma unroll
             for (int n = 0; n < kD / 8; ++n) {
 #pragma unroll
@@ -1018,6 +1058,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
         }
         wgmma_commit();
+        // l += P as rounded, while the products run (they only read p): row r's pairs are
+        // p[kk][r] and p[kk][2 + r], summed in four chains.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const auto pair = [&](int x) {
+            return HalfMma<T>::pair_sum(p[x % (kBlockN / 16)][r + 2 * (x / (kBlockN / 16))]);
+          };
+          float part[4];
+#pragma unroll
+          for (int x = 0; x < kBlockN / 8; ++x) {
+            part[x % 4] = x < 4 ? pair(x) : part[x % 4] + pair(x);
+          }
+          l_run[r] += (part[0] + part[1]) + (part[2] + part[3]);
+        }
         wgmma_wait<0>();
         wgmma_fence_operands(o);
         wgmma_fence_operands(p);
@@ -1042,6 +1096,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       for (int r = 0; r < 2; ++r) {
         mine[kLanes * x++] = m_run[r];
         mine[kLanes * x++] = l_run[r];
+        mine[kLanes * x++] = l_exp[r];
       }
 #pragma unroll
       for (int e = 0; e < kD / 2; ++e) mine[kLanes * x++] = o[e];
@@ -1055,7 +1110,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float m_other = theirs[kLanes * x++], l_other = theirs[kLanes * x++];
+        const float l_exp_other = theirs[kLanes * x++];
         merge_softmax(m_run[r], l_run[r], m_other, l_other, alpha[r], beta[r]);
+        l_exp[r] = l_exp[r] * alpha[r] + l_exp_other * beta[r];
       }
 #pragma unroll
       for (int e = 0; e < kD / 2; ++e) {
@@ -1071,13 +1128,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   if (a.piece_stores) {
     const int storer = C::kSplitKeys || C::kConsumers == 1 ? 0 : wg;  // of those that store
     store_rows_staged<kD, C::kBlockM>(a, out, b, h, wg_row0, pad, base + storer * 64 * 128,
-                                      2 + storer, l_run, m_run, o,
+                                      2 + storer, l_run, m_run, l_exp, o,
                                       a.tensor_stores ? &o_map : nullptr);
     return;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    store_row<kD / 8>(a, out, b, h, warp_row0 + g + 8 * r, pad, t4, l_run[r], m_run[r],
+    store_row<kD / 8>(a, out, b, h, warp_row0 + g + 8 * r, pad, t4, l_run[r], l_exp[r], m_run[r],
                       [&](int n, float (&x)[2]) {
                         x[0] = o[4 * n + 2 * r];
                         x[1] = o[4 * n + 2 * r + 1];
