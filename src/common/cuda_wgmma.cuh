@@ -129,6 +129,7 @@ __device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&regs)[N][4]
 
 // The accumulators of one MMA as asm operands (d[o] .. d[o + 7] and so on), and their names
 // in the instruction text.
+#define FUSEKIT_WGMMA_ACC4(d, o) "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3])
 #define FUSEKIT_WGMMA_ACC8(d, o)                                                               \
   "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), \
       "+f"(d[o + 6]), "+f"(d[o + 7])
@@ -137,6 +138,7 @@ __device__ __forceinline__ void wgmma_fence_operands(std::uint32_t (&regs)[N][4]
 #define FUSEKIT_WGMMA_ACC64(d, o) FUSEKIT_WGMMA_ACC32(d, o), FUSEKIT_WGMMA_ACC32(d, o + 32)
 #define FUSEKIT_WGMMA_ACC40(d, o) FUSEKIT_WGMMA_ACC32(d, o), FUSEKIT_WGMMA_ACC8(d, o + 32)
 #define FUSEKIT_WGMMA_ACC80(d, o) FUSEKIT_WGMMA_ACC64(d, o), FUSEKIT_WGMMA_ACC16(d, o + 64)
+#define FUSEKIT_WGMMA_REGS4 "%0, %1, %2, %3"
 #define FUSEKIT_WGMMA_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define FUSEKIT_WGMMA_REGS16 FUSEKIT_WGMMA_REGS8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define FUSEKIT_WGMMA_REGS32                                                                   \
@@ -206,19 +208,23 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t a, std
 #endif
 }
 
-/// d (+)= a [64, 16] b [16, N] for N = 64 or 128, T __half or __nv_bfloat16, A from registers
+/// d (+)= a [64, 16] b [16, N] for N = 8, 64 or 128, T __half or __nv_bfloat16, A from registers
 /// (the mma.m16n8k16 A fragment of the thread's warp); `accumulate` false overwrites d. B is
-/// K-major (see above), or with kMnMajorB N-major: rows of 16 k each holding 64 consecutive n
-/// (128 bytes) in 128-byte-swizzled atoms of 8 k, the next 8 k 1024 bytes on and n beyond 64 in a
-/// further block `b`'s leading byte offset away (see mn_major_descriptor).
+/// K-major (see above), or with kMnMajorB (N = 64 or 128) N-major: rows of 16 k each holding 64
+/// consecutive n (128 bytes) in 128-byte-swizzled atoms of 8 k, the next 8 k 1024 bytes on and n
+/// beyond 64 in a further block `b`'s leading byte offset away (see mn_major_descriptor).
 template <typename T, int N, bool kMnMajorB = false>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const std::uint32_t (&a)[4],
                                          std::uint64_t b, bool accumulate) {
-  static_assert(N == 64 || N == 128);
+  static_assert(N == 8 || N == 64 || N == 128);
+  static_assert(N != 8 || !kMnMajorB);
 #ifdef FUSEKIT_WGMMA
   const int scale_d = accumulate ? 1 : 0;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (N == 64) {
+  if constexpr (N == 8) {
+    if constexpr (kBf16) FUSEKIT_WGMMA_RS(8, 4, "bf16", 4, 5, 6, 7, 8, 9, 0);
+    else FUSEKIT_WGMMA_RS(8, 4, "f16", 4, 5, 6, 7, 8, 9, 0);
+  } else if constexpr (N == 64) {
     if constexpr (kBf16 && kMnMajorB) FUSEKIT_WGMMA_RS(64, 32, "bf16", 32, 33, 34, 35, 36, 37, 1);
     else if constexpr (kBf16) FUSEKIT_WGMMA_RS(64, 32, "bf16", 32, 33, 34, 35, 36, 37, 0);
     else if constexpr (kMnMajorB) FUSEKIT_WGMMA_RS(64, 32, "f16", 32, 33, 34, 35, 36, 37, 1);

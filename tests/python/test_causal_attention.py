@@ -280,6 +280,50 @@ def test_forward_half_precision(rng, device, dtype, t, pad):
     check(out, q, k, v, n_padd, describe_case(rng, device=device, T=t, n_padd=n_padd))
 
 
+def carried_key_score(dtype):
+    """A key component k0 in `dtype` (scores q . k / 8 with q = e_0) whose weight against a score
+    of 0, p = 2^(k0 log2(e) / 8) in (2^6, 2^8), sits about 0.4 of a step between two neighbours
+    of `dtype`: rounded to `dtype` it moves by about 0.4 of a step, far from a tie."""
+    best = None
+    for k0 in torch.linspace(33.5, 44.0, 4001).to(dtype).unique().double().tolist():
+        p = 2.0 ** (k0 * math.log2(math.e) / 8)
+        step = 2.0 ** (math.floor(math.log2(p)) - (7 if dtype == torch.bfloat16 else 10))
+        off = abs((p / step) % 1.0 - 0.4)
+        if best is None or off < best[0]:
+            best = (off, k0)
+    return best[1]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_weight_past_the_running_max(rng, device, dtype, d):
+    """Rows that one key carries, reached after key tiles whose max was 0: keys 0, 64 and 128
+    score 0 (values 0), key 192 scores about 7 in log2 units (values ~ N(0, 1)), every other key
+    about -60. A kernel that lets its running max lag (taking that weight, about 2^7, rounded to
+    half precision for P V) must still weigh the values in P's own proportions: out within 0.55
+    of an ulp of the float64 result on rows 192 and on, where a sum over the unrounded weights
+    is off by about 0.4 of an ulp before out is rounded."""
+    t = 256
+    q = torch.zeros(1, 2, t, d, dtype=torch.float64)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 2, t, d, dtype=torch.float64)
+    k[..., 0] = -60.0 * 8 / math.log2(math.e)
+    k[:, :, [0, 64, 128], 0] = 0.0
+    k[:, :, 192, 0] = carried_key_score(dtype)
+    v = rng.randn(1, 2, t, d).double()
+    v[:, :, [0, 64, 128]] = 0.0
+    q, k, v = (x.to(dtype=dtype, device=device) for x in (q, k, v))
+    out = fusekit.causal_attention(q, k, v)
+    expected = to_torch64(reference.causal_attention(as64(q), as64(k), as64(v)))[..., 192:, :]
+    mant = 7 if dtype == torch.bfloat16 else 10
+    ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(2.0**-14))) - mant)
+    ulps = float(((to_torch64(out)[..., 192:, :] - expected).abs() / ulp).max())
+    assert ulps <= 0.55, (
+        f"out: {ulps:.3f} ulps from the float64 result, expected at most 0.55 "
+        f"[{describe_case(rng, device=device, D=d)}]")
+
+
 @pytest.mark.parametrize("t", [17, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,7 +33,6 @@
 #include "common/cuda_check.h"
 #include "common/cuda_math.cuh"
 #include "common/cuda_mma.cuh"
-#include "common/cuda_types.cuh"
 #include "common/cuda_wgmma.cuh"
 #include "common/dispatch.h"
 #include "common/tensor_map.h"
@@ -126,17 +125,6 @@ struct HalfMma {
     } else {
       const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
       return *reinterpret_cast<const std::uint32_t*>(&h);
-    }
-  }
-
-  // The sum of a packed pair's two values, as floats.
-  static __device__ __forceinline__ float pair_sum(std::uint32_t w) {
-    if constexpr (std::is_same_v<T, __half>) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
-      return f.x + f.y;
-    } else {
-      const float2 f = widen_bf16x2(w);
-      return f.x + f.y;
     }
   }
 
@@ -817,6 +805,16 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 // A warpgroup's finished rows go out through its query rows' bytes (store_rows_staged), by the
 // copy engine where out fits a tensor map.
 
+// Descriptor of the 256 bytes of ones at `smem` as the B operand (k16 x n8, K-major, no swizzle:
+// two 8 x 8 core matrices of 128 bytes) of the product that sums P's rows. Both offsets are 128
+// bytes, so that whichever steps along k stays in the ones.
+__device__ __forceinline__ std::uint64_t ones_descriptor(const void* smem) {
+  const std::uint64_t address = shared_address(smem);
+  return ((address & 0x3FFFF) >> 4)         // start address
+         | (std::uint64_t{128 >> 4} << 16)   // leading byte offset
+         | (std::uint64_t{128 >> 4} << 32);  // stride byte offset
+}
+
 template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
           int kMinBlocks_ = 1, bool kSplitRelease_ = false>
 struct WgConfig {
@@ -840,8 +838,11 @@ struct WgConfig {
   // barriers (Q full, K full and V full of each slot, each slot empty; with kSplitRelease that
   // is its K's, and each slot's V empty follows).
   static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
-  static constexpr std::size_t kSharedBytes =
-      1024 + kBarrierOffset + 8 * (1 + (kSplitRelease ? 4 : 3) * kStages);
+  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 512;
+  // The ones that sum P's rows on the tensor cores (B of a k16 n8 product, 256 bytes), after
+  // the barriers.
+  static constexpr std::size_t kOnesOffset = kBarrierOffset + 256;
+  static_assert(8 * (1 + 4 * kStages) <= 256);
   // What a warpgroup hands another at the end, per thread: m, l and l_exp of two rows, and O.
   static constexpr int kMergeFloats = 6 + kD / 2;
   static_assert(kD == 64 || kD == 128);
@@ -929,7 +930,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       }
       for (int i = 0; i < min(key_tiles, kStages); ++i) copy_key_tile(i);
     }
-    __syncthreads();  // the barriers are set up
+    if (threadIdx.x < 64) {
+      constexpr std::uint32_t kOnePair = std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
+      reinterpret_cast<std::uint32_t*>(base + C::kOnesOffset)[threadIdx.x] = kOnePair;
+      fence_proxy_async_shared();  // for the tensor cores
+    }
+    __syncthreads();  // the barriers are set up, the ones written
   }
 
   if (warp == C::kProducerWarp) {
@@ -949,9 +955,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // so the row's largest weight need not be 1, and P V takes it rounded. l sums P as rounded, so
   // that out = P V / l weighs the values in P's own proportions (with l over the unrounded
   // exponentials a peaked row's out took that rounding whole: on the H200 the largest errors
-  // were 1.6 times SDPA's, at T = 4096 with scores ~ N(0, 16)). The lse takes l_exp, the
-  // float32 exponentials' sum, kept only when it is asked for.
+  // were 1.6 times SDPA's, at T = 4096 with scores ~ N(0, 16)). The tensor cores sum it, as
+  // P times a column of ones beside P V: l_mma holds rows g and g + 8 (elements 0 and 2) whole
+  // in every lane of the quad. The lse takes l_exp, the float32 exponentials' sum, kept only
+  // when it is asked for.
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, l_exp[2] = {0.0f, 0.0f};
+  float l_mma[4] = {};
+  const std::uint64_t ones_desc = ones_descriptor(base + C::kOnesOffset);
 
   if (key_tiles > 0) {
     const std::uint64_t q_desc =
@@ -1032,7 +1042,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           }
           if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) l_run[r] *= alpha[r];
+            for (int e = 0; e < 4; ++e) l_mma[e] *= alpha[e / 2];
 #pragma unroll
             for (int n = 0; n < kD / 8; ++n) {
 #pragma unroll
@@ -1057,23 +1067,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
         }
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, 8>(l_mma, p[kk], ones_desc, true);
         wgmma_commit();
-        // l += P as rounded, while the products run (they only read p): row r's pairs are
-        // p[kk][r] and p[kk][2 + r], summed in four chains.
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const auto pair = [&](int x) {
-            return HalfMma<T>::pair_sum(p[x % (kBlockN / 16)][r + 2 * (x / (kBlockN / 16))]);
-          };
-          float part[4];
-#pragma unroll
-          for (int x = 0; x < kBlockN / 8; ++x) {
-            part[x % 4] = x < 4 ? pair(x) : part[x % 4] + pair(x);
-          }
-          l_run[r] += (part[0] + part[1]) + (part[2] + part[3]);
-        }
         wgmma_wait<0>();
         wgmma_fence_operands(o);
+        wgmma_fence_operands(l_mma);
         wgmma_fence_operands(p);
       } else {
         mbarrier_wait(full_v + slot, phase);
@@ -1082,6 +1081,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       hand_back(C::kSplitRelease ? empty_v + slot : empty + slot);
     }
   }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l_run[r] = t4 == 0 ? l_mma[2 * r] : 0.0f;  // the quad's sum: l
 
   if constexpr (C::kSplitKeys) {
     // Warpgroups 1, 2, ... hand their states to warpgroup 0 through the (now idle) key slots,
