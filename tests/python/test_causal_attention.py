@@ -8,7 +8,7 @@ operands (on the CPU, which has no TF32, bitwise the float32 result); per-sequen
 inputs' device); grouped-query heads; the single-head form [T, D]; the scale; views over memory
 poisoned with NaN (misaligned, padded rows, [B, T, H, D] storage, packed q/k/v, broadcast k/v),
 NaN in padding queries, keys and values, NaN-poisoned outputs and exact zeros in padding rows;
-lse; empty inputs; bitwise determinism; numpy inputs (negative strides included); autograd
+rows that one key carries, reached past a lagging running max (within 0.55 ulp); lse; empty inputs; bitwise determinism; numpy inputs (negative strides included); autograd
 (forward only); torch.library.opcheck; torch.compile; CUDA streams and graphs; every error
 message.
 
