@@ -3,14 +3,15 @@
 
 Cases: T in {1, 17, 1000} (and 4096 on CUDA) with n_padd = 0, T/3, T - 1 and T, normal and peaked
 scores; float32 within 1e-5, float16 and bfloat16 within twice the error of PyTorch's own SDPA in
-that dtype, float32 with allow_tf32 on CUDA within twice the error of the formula with TF32
-operands (on the CPU, which has no TF32, bitwise the float32 result); per-sequence padding that differs across the batch (int32 tensors, on the CPU and the
-inputs' device); grouped-query heads; the single-head form [T, D]; the scale; views over memory
-poisoned with NaN (misaligned, padded rows, [B, T, H, D] storage, packed q/k/v, broadcast k/v),
-NaN in padding queries, keys and values, NaN-poisoned outputs and exact zeros in padding rows;
-rows that one key carries, reached past a lagging running max (within 0.55 ulp); lse; empty inputs; bitwise determinism; numpy inputs (negative strides included); autograd
-(forward only); torch.library.opcheck; torch.compile; CUDA streams and graphs; every error
-message.
+that dtype, float32 with allow_tf32 on CUDA within twice the error of the formula with TF32 operands
+(on the CPU, which has no TF32, bitwise the float32 result); per-sequence padding that differs
+across the batch (int32 tensors, on the CPU and the inputs' device); grouped-query heads; the
+single-head form [T, D]; the scale; views over memory poisoned with NaN (misaligned, padded rows,
+[B, T, H, D] storage, packed q/k/v, broadcast k/v), NaN in padding queries, keys and values,
+NaN-poisoned outputs and exact zeros in padding rows; rows that one key carries, reached past a
+lagging running max (within 0.55 ulp); lse; empty inputs; bitwise determinism; numpy inputs
+(negative strides included); autograd (forward only); torch.library.opcheck; torch.compile; CUDA
+streams and graphs; every error message.
 
 The CUDA parametrisations skip with "no CUDA backend yet" while fusekit's CUDA backend of this
 operator only raises its "not implemented yet" error, and run for real once it lands.
