@@ -240,4 +240,28 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const std::uint32_t 
 #endif
 }
 
+/// d (+)= a [64, 16] b [16, 72] with b N-major as wgmma_rs<T, 64, true> takes it, columns 64 ..
+/// 71 in the further block at `b`'s leading byte offset: columns 0 .. 63 into d, 64 .. 71 into
+/// d8 (the accumulator layout of one more 8-column chunk).
+template <typename T>
+__device__ __forceinline__ void wgmma_rs_n72(float (&d)[32], float (&d8)[4],
+                                             const std::uint32_t (&a)[4], std::uint64_t b,
+                                             bool accumulate) {
+#ifdef FUSEKIT_WGMMA
+  const int scale_d = accumulate ? 1 : 0;
+#define FUSEKIT_WGMMA_N72(TYPE)                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                   \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TYPE "." TYPE " "                   \
+               "{" FUSEKIT_WGMMA_REGS32 ", %32, %33, %34, %35}, {%36, %37, %38, %39}, %40, p, "  \
+               "1, 1, 1;\n}\n"                                                                  \
+               : FUSEKIT_WGMMA_ACC32(d, 0), FUSEKIT_WGMMA_ACC4(d8, 0)                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) FUSEKIT_WGMMA_N72("bf16");
+  else FUSEKIT_WGMMA_N72("f16");
+#undef FUSEKIT_WGMMA_N72
+#else
+  __trap();
+#endif
+}
+
 }  // namespace fusekit::detail

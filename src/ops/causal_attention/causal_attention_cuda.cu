@@ -838,11 +838,14 @@ struct WgConfig {
   // barriers (Q full, K full and V full of each slot, each slot empty; with kSplitRelease that
   // is its K's, and each slot's V empty follows).
   static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
-  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 512;
-  // The ones that sum P's rows on the tensor cores (B of a k16 n8 product, 256 bytes), after
-  // the barriers.
-  static constexpr std::size_t kOnesOffset = kBarrierOffset + 256;
-  static_assert(8 * (1 + 4 * kStages) <= 256);
+  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 1024 + 2048;
+  // The ones that sum P's rows on the tensor cores, after the barriers: at D = 64 columns 64 ..
+  // 71 of the P V product, which then has N = 72 (16 rows of k, 128-byte swizzled, 2 KB); at
+  // D = 128 the B of a k16 n8 product of their own (no swizzle, 256 bytes).
+  static constexpr bool kFusedSums = kD == 64;
+  static constexpr std::size_t kOnesOffset = kBarrierOffset + 1024;
+  static constexpr std::uint32_t kOnesBytes = kFusedSums ? 2048 : 256;
+  static_assert(8 * (1 + 4 * kStages) <= 1024);
   // What a warpgroup hands another at the end, per thread: m, l and l_exp of two rows, and O.
   static constexpr int kMergeFloats = 6 + kD / 2;
   static_assert(kD == 64 || kD == 128);
@@ -930,9 +933,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       }
       for (int i = 0; i < min(key_tiles, kStages); ++i) copy_key_tile(i);
     }
-    if (threadIdx.x < 64) {
+    if (threadIdx.x < 128) {
       constexpr std::uint32_t kOnePair = std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
-      reinterpret_cast<std::uint32_t*>(base + C::kOnesOffset)[threadIdx.x] = kOnePair;
+      for (std::uint32_t i = threadIdx.x; i < C::kOnesBytes / 4; i += 128) {
+        reinterpret_cast<std::uint32_t*>(base + C::kOnesOffset)[i] = kOnePair;
+      }
       fence_proxy_async_shared();  // for the tensor cores
     }
     __syncthreads();  // the barriers are set up, the ones written
@@ -956,12 +961,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   // that out = P V / l weighs the values in P's own proportions (with l over the unrounded
   // exponentials a peaked row's out took that rounding whole: on the H200 the largest errors
   // were 1.6 times SDPA's, at T = 4096 with scores ~ N(0, 16)). The tensor cores sum it, as
-  // P times a column of ones beside P V: l_mma holds rows g and g + 8 (elements 0 and 2) whole
-  // in every lane of the quad. The lse takes l_exp, the float32 exponentials' sum, kept only
-  // when it is asked for.
+  // P times columns of ones beside P V (at D = 64 in the same product, N = 72; at 128 in k16 n8
+  // products of their own): l_mma holds rows g and g + 8 (elements 0 and 2) whole in every lane
+  // of the quad. The lse takes l_exp, the float32 exponentials' sum, kept only when it is asked
+  // for.
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, l_exp[2] = {0.0f, 0.0f};
   float l_mma[4] = {};
-  const std::uint64_t ones_desc = ones_descriptor(base + C::kOnesOffset);
+  const std::uint64_t ones_desc = ones_descriptor(base + C::kOnesOffset);  // D = 128
 
   if (key_tiles > 0) {
     const std::uint64_t q_desc =
@@ -1061,14 +1067,27 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
           p[kk][3] = HalfMma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
         }
         mbarrier_wait(full_v + slot, phase);
-        const std::uint64_t v_desc = mn_major_descriptor(kt + C::kTileBytes, kBlockN * 128);
         wgmma_fence();
+        if constexpr (C::kFusedSums) {
+          // V's columns, then the ones as columns 64 .. 71: the leading byte offset reaches them
+          // from each k step's V rows, so it shrinks by what the start address grows.
+          unsigned char* const vt = kt + C::kTileBytes;
+          const std::uint64_t v_desc = mn_major_descriptor(
+              vt, static_cast<std::uint32_t>(base + C::kOnesOffset - vt));
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            constexpr std::uint64_t kStep = 16 * 128 / 16;  // a k step, in 16-byte units
+            wgmma_rs_n72<T>(o, l_mma, p[kk], v_desc + kk * kStep - ((kk * kStep) << 16), true);
+          }
+        } else {
+          const std::uint64_t v_desc = mn_major_descriptor(kt + C::kTileBytes, kBlockN * 128);
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            wgmma_rs<T, kD, true>(o, p[kk], advance_descriptor(v_desc, kk * 16 * 128), true);
+          }
+#pragma unroll
+          for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, 8>(l_mma, p[kk], ones_desc, true);
         }
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, 8>(l_mma, p[kk], ones_desc, true);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(o);
