@@ -836,16 +836,16 @@ struct WgConfig {
   static constexpr int kReaderWarps = 4 * (kSplitKeys ? 1 : kConsumers);
   // Shared memory from a 1024-byte aligned base: Q, then K and V of each slot, then the
   // barriers (Q full, K full and V full of each slot, each slot empty; with kSplitRelease that
-  // is its K's, and each slot's V empty follows).
+  // is its K's, and each slot's V empty follows), then from the next 1024 bytes the ones that
+  // sum P's rows on the tensor cores: at D = 64 columns 64 .. 71 of the P V product, which then
+  // has N = 72 (16 rows of k, 128-byte swizzled, 2 KB); at D = 128 the B of k16 n8 products of
+  // their own (no swizzle, 256 bytes).
   static constexpr std::size_t kBarrierOffset = kQueryBytes + std::size_t{2} * kStages * kTileBytes;
-  static constexpr std::size_t kSharedBytes = 1024 + kBarrierOffset + 1024 + 2048;
-  // The ones that sum P's rows on the tensor cores, after the barriers: at D = 64 columns 64 ..
-  // 71 of the P V product, which then has N = 72 (16 rows of k, 128-byte swizzled, 2 KB); at
-  // D = 128 the B of a k16 n8 product of their own (no swizzle, 256 bytes).
   static constexpr bool kFusedSums = kD == 64;
   static constexpr std::size_t kOnesOffset = kBarrierOffset + 1024;
   static constexpr std::uint32_t kOnesBytes = kFusedSums ? 2048 : 256;
   static_assert(8 * (1 + 4 * kStages) <= 1024);
+  static constexpr std::size_t kSharedBytes = 1024 + kOnesOffset + kOnesBytes;
   // What a warpgroup hands another at the end, per thread: m, l and l_exp of two rows, and O.
   static constexpr int kMergeFloats = 6 + kD / 2;
   static_assert(kD == 64 || kD == 128);
