@@ -109,13 +109,14 @@ void CaseRunner::run(const CaseInfo& info, const RunOnDevice& run_on,
     for (std::size_t k = 0; k < expected.size(); ++k) {
       const ExpectedOutput& e = expected[k];
       const HostTensor values = testing::download(got[k].view);
-      const testing::Comparison c = testing::compare(values, e.reference, e.tolerance);
+      const HostTensor* const terms = e.terms ? &*e.terms : nullptr;
+      const testing::Comparison c = testing::compare(values, e.reference, e.tolerance, terms);
       vs_reference.add(c);
       if (!c.ok) failures.push_back(fmt::format("{} vs float64: {}", e.name, c.message));
       if (cuda) {
         const testing::Comparison cc =
             testing::compare(values, testing::download(on_cpu[k].view),
-                             sum(e.tolerance, e.cpu_tolerance.value_or(e.tolerance)));
+                             sum(e.tolerance, e.cpu_tolerance.value_or(e.tolerance)), terms);
         vs_cpu.add(cc);
         if (!cc.ok) failures.push_back(fmt::format("{} vs cpu backend: {}", e.name, cc.message));
       }

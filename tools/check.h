@@ -30,6 +30,10 @@ struct ExpectedOutput {
   /// CUDA path in lower precision); empty: `tolerance`. On CUDA the result is also compared with
   /// the CPU backend's, within the sum of the two bounds.
   std::optional<testing::Tolerance> cpu_tolerance = {};
+  /// Where the output sums terms that may cancel: the same formula over its inputs' absolute
+  /// values. The norm bounds are then relative to it (testing::compare), since the sums' rounding
+  /// errors follow the terms, not the result.
+  std::optional<testing::HostTensor> terms = {};
 };
 
 struct CaseInfo {

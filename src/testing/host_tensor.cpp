@@ -107,6 +107,11 @@ void round_to(HostTensor& t, DType dtype) {
   }
 }
 
+HostTensor abs(HostTensor t) {
+  for (double& v : t.values) v = std::abs(v);
+  return t;
+}
+
 DeviceTensor empty_poisoned(const std::vector<std::int64_t>& shape, DType dtype, Device device,
                             const Layout& layout) {
   auto [strides, extent] = strides_for(shape, layout);
@@ -170,11 +175,17 @@ HostTensor download(const TensorView& view) {
   return t;
 }
 
-Comparison compare(const HostTensor& got, const HostTensor& expected, const Tolerance& tol) {
+Comparison compare(const HostTensor& got, const HostTensor& expected, const Tolerance& tol,
+                   const HostTensor* scale) {
   Comparison c;
   std::ostringstream msg;
   if (got.shape != expected.shape) {
     c.message = "shape " + got.shape_string() + " != expected " + expected.shape_string();
+    return c;
+  }
+  if (scale && scale->shape != expected.shape) {
+    c.message =
+        "scale's shape " + scale->shape_string() + " != expected " + expected.shape_string();
     return c;
   }
   double err2 = 0, ref2 = 0, worst_excess = -1;
@@ -191,9 +202,9 @@ Comparison compare(const HostTensor& got, const HostTensor& expected, const Tole
       if (g != e && !(std::isnan(g) && std::isnan(e))) ++c.mismatches;
       continue;
     }
-    const double d = std::abs(g - e);
+    const double d = std::abs(g - e), r = scale ? scale->values[i] : e;
     err2 += d * d;
-    ref2 += e * e;
+    ref2 += r * r;
     c.max_abs_error = std::max(c.max_abs_error, d);
     const double excess = d - (tol.atol + tol.rtol * std::abs(e));
     if (excess > 0) ++c.mismatches;
@@ -212,7 +223,8 @@ Comparison compare(const HostTensor& got, const HostTensor& expected, const Tole
   msg << "shape " << got.shape_string() << ", " << c.mismatches << " of " << got.numel()
       << " elements outside atol " << tol.atol << " + rtol " << tol.rtol << " (" << c.nan_mismatches
       << " NaN/inf mismatches), max abs error " << c.max_abs_error << ", rel error " << c.rel_error
-      << " (limit " << tol.rel << "), worst " << (c.worst.empty() ? "-" : c.worst);
+      << " (limit " << tol.rel << (scale ? ", of the terms' norm" : "") << "), worst "
+      << (c.worst.empty() ? "-" : c.worst);
   c.message = msg.str();
   return c;
 }

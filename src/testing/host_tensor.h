@@ -32,6 +32,8 @@ struct HostTensor {
 HostTensor random_normal(std::vector<std::int64_t> shape, std::mt19937_64& rng, double stddev = 1.0);
 /// Rounds every value to the nearest value of `dtype`, as storing it would.
 void round_to(HostTensor& t, DType dtype);
+/// |t|, element by element.
+HostTensor abs(HostTensor t);
 /// The relative error of one rounding to nearest in a half-precision dtype: 2^-8 for bfloat16,
 /// 2^-11 for float16; 0 for float32, whose roundings tolerances cover with terms of their own.
 inline double half_precision_roundoff(DType dtype) {
@@ -64,7 +66,7 @@ DeviceTensor upload(const HostTensor& t, DType dtype, Device device, const Layou
 HostTensor download(const TensorView& view);
 
 /// Tolerance of a comparison: |got - expected| <= atol + rtol * |expected| element-wise, and
-/// ||got - expected|| / ||expected|| <= rel (Frobenius).
+/// ||got - expected|| / ||expected|| <= rel (Frobenius; see compare for a scale in its place).
 struct Tolerance {
   double atol = 0, rtol = 0, rel = 0;
 };
@@ -79,6 +81,12 @@ struct Comparison {
   std::string message;   // everything above in one line, for failures
 };
 
-Comparison compare(const HostTensor& got, const HostTensor& expected, const Tolerance& tol);
+/// got against expected within tol. With `scale` (expected's shape), the Frobenius bound is
+/// ||got - expected|| <= rel ||scale||: for a sum whose terms may cancel, pass the same sum over
+/// the terms' absolute values, to which its rounding errors are proportional. (A sum of four
+/// products can come out far below its terms; held to rel of its own size, a one-element result
+/// then fails now and then with no fault in the code.)
+Comparison compare(const HostTensor& got, const HostTensor& expected, const Tolerance& tol,
+                   const HostTensor* scale = nullptr);
 
 }  // namespace fusekit::testing

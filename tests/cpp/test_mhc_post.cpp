@@ -41,8 +41,7 @@ void check_forward(const MhcInputs& in, DType dtype, const MhcLayouts& layouts =
   const MhcDeviceInputs d = upload_mhc_inputs(in, dtype, kCpu, layouts);
   const DeviceTensor out = empty_poisoned(in.residual.shape, dtype, kCpu, layouts.out);
   run_mhc_post(out, d);
-  expect_close(download(out.view), mhc_post_reference(in.x, in.residual, in.post, in.comb),
-               elementwise_tolerance(dtype), "out");
+  expect_out_matches_float64(download(out.view), in, dtype);
   expect_only_view_written(out, "out");
 }
 
@@ -53,9 +52,7 @@ void check_backward(const MhcInputs& in, const HostTensor& grad_out, DType dtype
   const DeviceTensor g = upload(grad_out, dtype, kCpu, layouts.out);
   const MhcGradTensors grads = empty_mhc_grads(in, dtype, kCpu, layouts);
   run_mhc_post_backward(grads, g, d);
-  expect_grads_close(download_grads(grads),
-                     mhc_post_backward_reference(grad_out, in.x, in.residual, in.post, in.comb),
-                     elementwise_tolerance(dtype), "backward");
+  expect_grads_match_float64(download_grads(grads), grad_out, in, dtype);
   expect_grads_only_view_written(grads);
 }
 
@@ -196,8 +193,7 @@ TEST_P(MhcPostCpu, NegativeStrides) {
   const DeviceTensor comb = upload_reversed(in.comb, DType::Float32, kCpu);
   const DeviceTensor out = empty_reversed(in.residual.shape, dtype, kCpu);
   fusekit::mhc_post(out.view, x.view, residual.view, post.view, comb.view);
-  expect_close(download(out.view), mhc_post_reference(in.x, in.residual, in.post, in.comb),
-               elementwise_tolerance(dtype), "out");
+  expect_out_matches_float64(download(out.view), in, dtype);
 
   const HostTensor grad_out = make_grad_out(n, hc, h, dtype, rng_);
   const DeviceTensor g = upload_reversed(grad_out, dtype, kCpu);
@@ -208,9 +204,7 @@ TEST_P(MhcPostCpu, NegativeStrides) {
   fusekit::mhc_post_backward(grads.grad_x.view, grads.grad_residual.view, grads.grad_post.view,
                              grads.grad_comb.view, g.view, x.view, residual.view, post.view,
                              comb.view);
-  expect_grads_close(download_grads(grads),
-                     mhc_post_backward_reference(grad_out, in.x, in.residual, in.post, in.comb),
-                     elementwise_tolerance(dtype), "backward");
+  expect_grads_match_float64(download_grads(grads), grad_out, in, dtype);
 }
 
 TEST_P(MhcPostCpu, BroadcastInputs) {
@@ -234,16 +228,13 @@ TEST_P(MhcPostCpu, BroadcastInputs) {
   }
   const DeviceTensor out = empty_poisoned(in.residual.shape, dtype, kCpu);
   run_mhc_post(out, d);
-  expect_close(download(out.view), mhc_post_reference(in.x, in.residual, in.post, in.comb),
-               elementwise_tolerance(dtype), "out");
+  expect_out_matches_float64(download(out.view), in, dtype);
 
   const HostTensor grad_out = make_grad_out(n, hc, h, dtype, rng_);
   const DeviceTensor g = upload(grad_out, dtype, kCpu);
   const MhcGradTensors grads = empty_mhc_grads(in, dtype, kCpu);
   run_mhc_post_backward(grads, g, d);
-  expect_grads_close(download_grads(grads),
-                     mhc_post_backward_reference(grad_out, in.x, in.residual, in.post, in.comb),
-                     elementwise_tolerance(dtype), "backward");
+  expect_grads_match_float64(download_grads(grads), grad_out, in, dtype);
 }
 
 TEST_P(MhcPostCpu, ZeroStrideOnAUnitDimIsAccepted) {
@@ -255,8 +246,7 @@ TEST_P(MhcPostCpu, ZeroStrideOnAUnitDimIsAccepted) {
   DeviceTensor out = empty_poisoned(in.residual.shape, dtype, kCpu);
   out.view.strides[1] = 0;
   run_mhc_post(out, d);
-  expect_close(download(out.view), mhc_post_reference(in.x, in.residual, in.post, in.comb),
-               elementwise_tolerance(dtype), "out");
+  expect_out_matches_float64(download(out.view), in, dtype);
 }
 
 TEST_P(MhcPostCpu, ForwardIsBitwiseDeterministic) {

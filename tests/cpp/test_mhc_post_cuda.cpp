@@ -20,8 +20,6 @@ using fusekit::detail::MhcPostConfig;
 using Path = fusekit::detail::MhcPostConfig::Path;
 using fusekit::testing::download;
 using fusekit::testing::empty_poisoned;
-using fusekit::testing::mhc_post_backward_reference;
-using fusekit::testing::mhc_post_reference;
 using fusekit::testing::upload;
 
 constexpr Device kCpu = Device::cpu();
@@ -75,17 +73,18 @@ fusekit::testing::MhcPostGradients backward_on_cpu(const MhcInputs& in, const Ho
 }
 
 void expect_forward_matches(const HostTensor& got, const MhcInputs& in, DType dtype) {
-  expect_close(got, forward_on_cpu(in, dtype), backend_tolerance(dtype), "out, cuda vs cpu");
-  expect_close(got, mhc_post_reference(in.x, in.residual, in.post, in.comb),
-               elementwise_tolerance(dtype), "out, cuda vs float64");
+  const HostTensor terms = mhc_post_terms(in);
+  expect_close(got, forward_on_cpu(in, dtype), backend_tolerance(dtype), "out, cuda vs cpu",
+               &terms);
+  expect_out_matches_float64(got, in, dtype, "out, cuda vs float64");
 }
 
 void expect_backward_matches(const fusekit::testing::MhcPostGradients& got, const MhcInputs& in,
                              const HostTensor& grad_out, DType dtype) {
+  const fusekit::testing::MhcPostGradients terms = mhc_post_backward_terms(grad_out, in);
   expect_grads_close(got, backward_on_cpu(in, grad_out, dtype), backend_tolerance(dtype),
-                     "cuda vs cpu");
-  expect_grads_close(got, mhc_post_backward_reference(grad_out, in.x, in.residual, in.post, in.comb),
-                     elementwise_tolerance(dtype), "cuda vs float64");
+                     "cuda vs cpu", &terms);
+  expect_grads_match_float64(got, grad_out, in, dtype, "cuda vs float64");
 }
 
 // One forward on cuda:0 into a poisoned `out` laid out as `layouts.out`; checked against the CPU

@@ -92,8 +92,9 @@ inline double unit_roundoff(DType dtype) {
 /// on the same inputs rounded to the dtype. The only errors are the float32 sum of at most 9
 /// products of unit-scale values (absolute error well below 1e-5) and one rounding of the result
 /// to the dtype (relative error at most the unit roundoff u, nearly reached just above a power of
-/// two). For float32 that rounding is part of the accumulation error: rel 1e-6 in norm, 1e-5 per
-/// element.
+/// two). For float32 that rounding is part of the accumulation error: 1e-5 per element, and 1e-6
+/// in norm relative to the terms' norm (mhc_post_terms), since a sum of a few products can cancel
+/// to far below its terms.
 inline Tolerance elementwise_tolerance(DType dtype) {
   if (dtype == DType::Float32) return {1e-5, 1e-5, 1e-6};
   const double u = unit_roundoff(dtype);
@@ -116,10 +117,11 @@ inline Tolerance reduction_tolerance() { return {1e-4, 1e-4, 1e-5}; }
 
 // ------------------------------------------------------------------------------------ checks
 
-/// Compares and, on failure, reports the full comparison (shape, worst element, counts).
+/// Compares and, on failure, reports the full comparison (shape, worst element, counts). With
+/// `scale`, the norm bound is relative to it (fusekit::testing::compare).
 inline void expect_close(const HostTensor& got, const HostTensor& expected, const Tolerance& tol,
-                         const std::string& what) {
-  const Comparison c = fusekit::testing::compare(got, expected, tol);
+                         const std::string& what, const HostTensor* scale = nullptr) {
+  const Comparison c = fusekit::testing::compare(got, expected, tol, scale);
   EXPECT_TRUE(c.ok) << what << ": " << c.message;
 }
 
@@ -261,16 +263,52 @@ inline fusekit::testing::MhcPostGradients download_grads(const MhcGradTensors& g
 }
 
 /// Compares all four gradients: the element-wise ones with `elementwise`, the sums over H with
-/// the reduction tolerance.
+/// the reduction tolerance; with `terms`, each norm bound relative to its gradient's terms.
 inline void expect_grads_close(const fusekit::testing::MhcPostGradients& got,
                                const fusekit::testing::MhcPostGradients& expected,
-                               const Tolerance& elementwise, const std::string& what) {
-  expect_close(got.grad_x, expected.grad_x, elementwise, what + " grad_x");
-  expect_close(got.grad_residual, expected.grad_residual, elementwise, what + " grad_residual");
+                               const Tolerance& elementwise, const std::string& what,
+                               const fusekit::testing::MhcPostGradients* terms = nullptr) {
+  expect_close(got.grad_x, expected.grad_x, elementwise, what + " grad_x",
+               terms ? &terms->grad_x : nullptr);
+  expect_close(got.grad_residual, expected.grad_residual, elementwise, what + " grad_residual",
+               terms ? &terms->grad_residual : nullptr);
   expect_close(got.grad_post, expected.grad_post, reduction_tolerance(),
-               what + " grad_post_layer_mix");
+               what + " grad_post_layer_mix", terms ? &terms->grad_post : nullptr);
   expect_close(got.grad_comb, expected.grad_comb, reduction_tolerance(),
-               what + " grad_comb_res_mix");
+               what + " grad_comb_res_mix", terms ? &terms->grad_comb : nullptr);
+}
+
+/// The forward's and the backward's formulas over the absolute values of their inputs: the size
+/// of the terms each result sums, to which the float32 sums' rounding errors are proportional
+/// (the scale of the norm bounds).
+inline HostTensor mhc_post_terms(const MhcInputs& in) {
+  using fusekit::testing::abs;
+  return fusekit::testing::mhc_post_reference(abs(in.x), abs(in.residual), abs(in.post),
+                                              abs(in.comb));
+}
+inline fusekit::testing::MhcPostGradients mhc_post_backward_terms(const HostTensor& grad_out,
+                                                                  const MhcInputs& in) {
+  using fusekit::testing::abs;
+  return fusekit::testing::mhc_post_backward_reference(abs(grad_out), abs(in.x), abs(in.residual),
+                                                       abs(in.post), abs(in.comb));
+}
+
+/// out, or the four gradients, against the float64 reference on the same inputs, within
+/// elementwise_tolerance and the reduction tolerance, the norms relative to the terms.
+inline void expect_out_matches_float64(const HostTensor& got, const MhcInputs& in, DType dtype,
+                                       const std::string& what = "out") {
+  const HostTensor terms = mhc_post_terms(in);
+  expect_close(got, fusekit::testing::mhc_post_reference(in.x, in.residual, in.post, in.comb),
+               elementwise_tolerance(dtype), what, &terms);
+}
+inline void expect_grads_match_float64(const fusekit::testing::MhcPostGradients& got,
+                                       const HostTensor& grad_out, const MhcInputs& in,
+                                       DType dtype, const std::string& what = "backward") {
+  const fusekit::testing::MhcPostGradients terms = mhc_post_backward_terms(grad_out, in);
+  expect_grads_close(got,
+                     fusekit::testing::mhc_post_backward_reference(grad_out, in.x, in.residual,
+                                                                   in.post, in.comb),
+                     elementwise_tolerance(dtype), what, &terms);
 }
 
 // H = 0 is valid (see the header): the forward has nothing to write, the backward's sums over H
