@@ -805,6 +805,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) attention_kernel(c
 // A warpgroup's finished rows go out through its query rows' bytes (store_rows_staged), by the
 // copy engine where out fits a tensor map.
 
+#ifdef FUSEKIT_WGMMA
 // Descriptor of the 256 bytes of ones at `smem` as the B operand (k16 x n8, K-major, no swizzle:
 // two 8 x 8 core matrices of 128 bytes) of the product that sums P's rows. Both offsets are 128
 // bytes, so that whichever steps along k stays in the ones.
@@ -814,6 +815,7 @@ __device__ __forceinline__ std::uint64_t ones_descriptor(const void* smem) {
          | (std::uint64_t{128 >> 4} << 16)   // leading byte offset
          | (std::uint64_t{128 >> 4} << 32);  // stride byte offset
 }
+#endif
 
 template <typename T_, int kD_, int kBlockN_, int kConsumers_, bool kSplitKeys_, int kStages_,
           int kMinBlocks_ = 1, bool kSplitRelease_ = false>
@@ -844,7 +846,7 @@ struct WgConfig {
   static constexpr bool kFusedSums = kD == 64;
   static constexpr std::size_t kOnesOffset = kBarrierOffset + 1024;
   static constexpr std::uint32_t kOnesBytes = kFusedSums ? 2048 : 256;
-  static_assert(8 * (1 + 4 * kStages) <= 1024);
+  static_assert(8 * (1 + (kSplitRelease ? 4 : 3) * kStages) <= 1024, "the barriers");
   static constexpr std::size_t kSharedBytes = 1024 + kOnesOffset + kOnesBytes;
   // What a warpgroup hands another at the end, per thread: m, l and l_exp of two rows, and O.
   static constexpr int kMergeFloats = 6 + kD / 2;
