@@ -278,19 +278,13 @@ inline void expect_grads_close(const fusekit::testing::MhcPostGradients& got,
                what + " grad_comb_res_mix", terms ? &terms->grad_comb : nullptr);
 }
 
-/// The forward's and the backward's formulas over the absolute values of their inputs: the size
-/// of the terms each result sums, to which the float32 sums' rounding errors are proportional
-/// (the scale of the norm bounds).
+/// The scales of the norm bounds for these inputs (fusekit::testing::mhc_post_terms).
 inline HostTensor mhc_post_terms(const MhcInputs& in) {
-  using fusekit::testing::abs;
-  return fusekit::testing::mhc_post_reference(abs(in.x), abs(in.residual), abs(in.post),
-                                              abs(in.comb));
+  return fusekit::testing::mhc_post_terms(in.x, in.residual, in.post, in.comb);
 }
 inline fusekit::testing::MhcPostGradients mhc_post_backward_terms(const HostTensor& grad_out,
                                                                   const MhcInputs& in) {
-  using fusekit::testing::abs;
-  return fusekit::testing::mhc_post_backward_reference(abs(grad_out), abs(in.x), abs(in.residual),
-                                                       abs(in.post), abs(in.comb));
+  return fusekit::testing::mhc_post_backward_terms(grad_out, in.x, in.residual, in.post, in.comb);
 }
 
 /// out, or the four gradients, against the float64 reference on the same inputs, within

@@ -49,4 +49,17 @@ inline MhcPostGradients mhc_post_backward_reference(const HostTensor& grad_out, 
   return g;
 }
 
+/// The same formulas over the inputs' absolute values: the size of the terms each result sums,
+/// to which the float32 sums' rounding errors are proportional (compare's scale, where a sum may
+/// cancel to far below its terms).
+inline HostTensor mhc_post_terms(const HostTensor& x, const HostTensor& residual,
+                                 const HostTensor& post, const HostTensor& comb) {
+  return mhc_post_reference(abs(x), abs(residual), abs(post), abs(comb));
+}
+inline MhcPostGradients mhc_post_backward_terms(const HostTensor& grad_out, const HostTensor& x,
+                                                const HostTensor& residual,
+                                                const HostTensor& post, const HostTensor& comb) {
+  return mhc_post_backward_reference(abs(grad_out), abs(x), abs(residual), abs(post), abs(comb));
+}
+
 }  // namespace fusekit::testing
